@@ -1,0 +1,70 @@
+"""Name → function registries, so a config can pick an algorithm by string.
+
+Built-ins register themselves with a decorator; user code either does the same or is
+named in the config as ``path/to/file.py:function`` and imported with `load_from_file`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def register(registry: dict[str, F], *names: str) -> Callable[[F], F]:
+    """Decorator adding a function under one or more names; refuses to silently replace one."""
+
+    def decorator(fn: F) -> F:
+        taken = [name for name in names if name in registry]
+        if taken:
+            raise ValueError(f"{taken} already registered; pick another name")
+        for name in names:
+            registry[name] = fn
+        return fn
+
+    return decorator
+
+
+def lookup(registry: dict[str, F], name: str, *, what: str, how_to_add: str) -> F:
+    """Fetch `name`, or fail with the names on offer and how to add one (a bare KeyError helps nobody)."""
+    try:
+        return registry[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown {what} {name!r}; registered: {', '.join(sorted(registry))}. {how_to_add}"
+        ) from None
+
+
+def load_from_file(spec: str) -> Callable[..., Any]:
+    """Import `function` from a ``path/to/file.py:function`` spec so users need not edit the package."""
+    path_str, sep, fn_name = spec.rpartition(":")
+    if not sep or not path_str or not fn_name:
+        raise ValueError(f"expected 'path/to/file.py:function', got {spec!r}")
+    path = Path(path_str).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec!r}: no file at {path}")
+    # The path hash keeps two user files with the same stem from overwriting each other.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    module_name = f"_mmrl_user_{path.stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"{spec!r}: {path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise AttributeError(f"{spec!r}: {path} defines no {fn_name!r}; callables there: {public}")
+    if not callable(fn):
+        raise TypeError(f"{spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
+    return fn

@@ -1,0 +1,115 @@
+"""The sizing rule, placeholder expansion and mRoPE positions agree with the real model."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.models import load_policy, load_processor
+from processors import (
+    ImageError,
+    PixelBudget,
+    build_messages,
+    encode_prompt,
+    fit_image,
+    load_image,
+    mrope_position_ids,
+    num_image_tokens,
+    pixel_inputs,
+    smart_size,
+)
+
+BUDGET = PixelBudget(min_pixels=28 * 28, max_pixels=64 * 28 * 28)
+SIZES = [(1, 1), (5, 300), (300, 5), (28, 28), (29, 27), (57, 113), (640, 480), (4000, 3000), (20, 3000)]
+
+
+@pytest.fixture(scope="module")
+def model_and_processor(tiny_model_dir):
+    return load_policy(tiny_model_dir).eval(), load_processor(tiny_model_dir)
+
+
+@pytest.mark.parametrize(("w", "h"), SIZES)
+def test_smart_size_respects_grid_budget_and_aspect(w: int, h: int) -> None:
+    rh, rw = smart_size(h, w, BUDGET)
+    assert rh % 28 == 0 and rw % 28 == 0
+    assert BUDGET.min_pixels <= rh * rw <= BUDGET.max_pixels
+    if min(w, h) >= 28 and max(rh, rw) > 28:  # aspect kept within one grid step where the grid allows
+        assert abs(rw / rh - w / h) / (w / h) < 0.5
+
+
+def test_extreme_aspect_ratio_is_refused() -> None:
+    with pytest.raises(ImageError, match="aspect ratio"):
+        smart_size(20, 20000, BUDGET)
+
+
+@pytest.mark.parametrize(("w", "h"), SIZES)
+def test_placeholder_count_equals_vision_tower_output(model_and_processor, w: int, h: int) -> None:
+    model, processor = model_and_processor
+    image = fit_image(Image.new("RGB", (w, h), (200, 30, 30)), BUDGET)
+    n_tokens = num_image_tokens(image.height, image.width, BUDGET)
+    inputs = pixel_inputs([image], processor.image_processor)
+    with torch.no_grad():
+        features = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert features.pooler_output[0].shape[0] == n_tokens
+    ids = encode_prompt(processor.tokenizer, build_messages("<image>What colour?", 1), [n_tokens])
+    assert ids.count(model.config.image_token_id) == n_tokens
+
+
+def test_position_ids_equal_model_get_rope_index_on_mixed_padded_batch(model_and_processor) -> None:
+    model, processor = model_and_processor
+    tok = processor.tokenizer
+    images = [fit_image(Image.new("RGB", s, (0, 90, 200)), BUDGET) for s in [(56, 84), (140, 28), (300, 200)]]
+    counts = [num_image_tokens(i.height, i.width, BUDGET) for i in images]
+    prompts = [
+        encode_prompt(tok, build_messages("<image>How many circles?", 1), counts[:1]),
+        encode_prompt(tok, build_messages("plain text only", 0), []),
+        encode_prompt(tok, build_messages("<image> left, <image> right: which is red?", 2), counts[1:]),
+    ]
+    width = max(map(len, prompts)) + 3
+    ids = torch.full((3, width), tok.pad_token_id)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, p in enumerate(prompts):  # left padding, as in generation
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    grid = pixel_inputs(images, processor.image_processor)["image_grid_thw"]
+    ours = mrope_position_ids(
+        ids,
+        mask,
+        grid,
+        image_token_id=model.config.image_token_id,
+        video_token_id=model.config.video_token_id,
+        spatial_merge_size=2,
+    )
+    mm_types = (ids == model.config.image_token_id).int()
+    theirs, _ = model.model.get_rope_index(ids, mm_types, image_grid_thw=grid, attention_mask=mask)
+    assert ours.shape == (3, 3, width)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours[0], ours[1])  # the image rows really have 2-D positions
+
+
+def test_load_image_handles_bytes_modes_and_exif(tmp_path) -> None:
+    buf = io.BytesIO()
+    Image.new("CMYK", (30, 20)).save(buf, format="JPEG")
+    assert load_image(buf.getvalue()).mode == "RGB"
+    assert load_image(Image.new("P", (4, 4))).mode == "RGB"
+    assert load_image(Image.new("I;16", (4, 4))).mode == "RGB"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display": width and height swap once applied
+    path = tmp_path / "rot.jpg"
+    Image.new("RGB", (40, 10)).save(path, exif=exif)
+    assert load_image(path).size == (10, 40)
+    assert load_image("rot.jpg", base_dir=tmp_path).size == (10, 40)
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x89PNG\r\n\x1a\n\x00\x00", "missing.png", 12])
+def test_load_image_bad_input_raises_image_error(tmp_path, bad) -> None:
+    with pytest.raises(ImageError):
+        load_image(bad, base_dir=tmp_path)
+
+
+def test_marker_count_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="markers"):
+        build_messages("<image><image> two?", 1)
