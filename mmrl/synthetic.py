@@ -132,7 +132,7 @@ class Task:
         """Paint ``params`` on a light-grey canvas and add mild per-pixel noise from ``rng``."""
         image = Image.new("RGB", (size, size), BACKGROUND)
         self.paint(ImageDraw.Draw(image), params)
-        pixels = np.asarray(image, dtype=np.int16) + np.random.default_rng().integers(-NOISE, NOISE + 1, (size, size, 3))
+        pixels = np.asarray(image, dtype=np.int16) + rng.integers(-NOISE, NOISE + 1, (size, size, 3))
         return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
 
     def render(

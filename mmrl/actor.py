@@ -1,0 +1,177 @@
+"""The policy's training side: log-probs of responses, and the clipped policy-gradient update.
+
+A training row is its prompt (left-padded) followed by its response (right-padded), so
+every response starts at the same column and its log-probs are one slice of the logits.
+Only the hidden states of response positions go through the LM head, which keeps memory
+flat for real 150k-token vocabularies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmrl.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_penalty, logprobs_from_logits
+from mmrl.batch import Batch
+from mmrl.config import ActorConfig
+from mmrl.rollout.hf import left_pad, vision_inputs
+from processors import mrope_position_ids
+
+
+def forward_logprobs(
+    model: Any, batch: Batch, pad_id: int, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy."""
+    device = next(model.parameters()).device
+    prompts = [batch.prompts[i] for i in batch["prompt_index"].tolist()]
+    prompt_ids, prompt_mask = left_pad([p.prompt_ids for p in prompts], pad_id)
+    response = batch["response_ids"]
+    input_ids = torch.cat([prompt_ids, response], dim=1)
+    attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
+    cfg = model.config
+    vision = vision_inputs(prompts)
+    positions = mrope_position_ids(
+        input_ids,
+        attention,
+        vision.get("image_grid_thw"),
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        spatial_merge_size=cfg.vision_config.spatial_merge_size,
+    )
+    hidden = model.model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=positions.to(device),
+        **{k: v.to(device) for k, v in vision.items()},
+    ).last_hidden_state
+    start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
+    logits = model.lm_head(hidden[:, start : start + response.shape[1]]).float() / temperature
+    logp = logprobs_from_logits(logits, response.to(device))
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
+
+
+@dataclass
+class UpdateStats:
+    """What one `update` call did, for the step's metrics."""
+
+    metrics: dict[str, float]
+    skipped_steps: int
+
+
+class Actor:
+    """Owns the policy's optimizer and runs the PPO-style update over a batch of rollouts."""
+
+    def __init__(
+        self, model: Any, cfg: ActorConfig, pad_id: int, temperature: float, response_len: int
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.temperature = temperature
+        self.response_len = response_len
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        warmup = max(cfg.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup)
+        )
+        self.policy_loss = get_policy_loss(cfg.policy_loss)
+
+    def needs_old_logprobs(self, num_rows: int, group_size: int) -> bool:
+        """Old log-probs equal the current ones (detached) when the batch is used for exactly one
+        optimizer step, so the extra forward pass is skipped then."""
+        mini_rows = self.cfg.mini_batch_size * group_size
+        return self.cfg.ppo_epochs > 1 or num_rows > mini_rows
+
+    @torch.no_grad()
+    def logprobs(self, model: Any, batch: Batch) -> torch.Tensor:
+        """Log-probs of every row under `model` (the policy or the frozen reference), micro-batched."""
+        was_training = model.training
+        model.eval()
+        parts = [
+            forward_logprobs(model, mb, self.pad_id, self.temperature)[0].cpu()
+            for mb in batch.split(self.cfg.micro_batch_size)
+        ]
+        model.train(was_training)
+        return torch.cat(parts)
+
+    def update(self, batch: Batch, group_size: int) -> UpdateStats:
+        """`ppo_epochs` passes over shuffled mini-batches; gradients accumulate over micro-batches
+        with losses normalised by mini-batch totals, so micro-batching never changes the result."""
+        cfg = self.cfg
+        self.model.train()
+        sums: dict[str, float] = {}
+        count, skipped = 0, 0
+        mini_rows = cfg.mini_batch_size * group_size
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(len(batch))
+            for start in range(0, len(batch), mini_rows):
+                mini = batch.select(order[start : start + mini_rows])
+                totals = {
+                    "num_tokens": float(mini["response_mask"].sum()),
+                    "num_seqs": float(len(mini)),
+                    "horizon": self.response_len,
+                }
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(cfg.micro_batch_size):
+                    stats = self._micro_step(micro, totals)
+                    for key, value in stats.items():
+                        sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # a non-finite gradient never reaches the weights or the optimizer moments
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + grad_norm
+                count += 1
+        metrics = {k: v / count for k, v in sums.items()}
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return UpdateStats(metrics=metrics, skipped_steps=skipped)
+
+    def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
+        cfg = self.cfg
+        logp, entropy = forward_logprobs(self.model, micro, self.pad_id, self.temperature, with_entropy=True)
+        device = logp.device
+        mask = micro["response_mask"].to(device).float()
+        old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logp.detach()
+        agg = {
+            "num_tokens": totals["num_tokens"],
+            "num_seqs": totals["num_seqs"],
+            "horizon": totals["horizon"],
+        }
+        pg_loss, pg_metrics = self.policy_loss(
+            logp,
+            old,
+            micro["advantages"].to(device),
+            mask,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            agg_kwargs=agg,
+        )
+        loss = pg_loss
+        entropy_value = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * entropy_value
+        stats = {"actor/pg_loss": float(pg_loss), "actor/entropy": float(entropy_value)}
+        if "ref_logprobs" in micro:
+            kl = agg_loss(
+                kl_penalty(logp, micro["ref_logprobs"].to(device), cfg.kl_loss_type),
+                mask,
+                cfg.loss_agg_mode,
+                **agg,
+            )
+            loss = loss + cfg.kl_loss_coef * kl
+            stats["actor/kl_loss"] = float(kl)
+        loss.backward()
+        stats.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
+        # Losses are already divided by mini-batch totals: scale them back to per-mini-batch values.
+        share = len(micro) / totals["num_seqs"]
+        return {k: (v / share if k.endswith(("loss", "entropy")) else v) for k, v in stats.items()}

@@ -1,0 +1,59 @@
+"""RL algorithm pieces as pure tensor functions: advantages, policy losses, KL, aggregation.
+
+Algorithms are looked up by name in registries, so a config selects them by string and
+users add their own with the `register_*` decorators.
+"""
+
+from mmrl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    drgrpo,
+    get_advantage_estimator,
+    grpo,
+    register_advantage_estimator,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    remax,
+    rloo,
+)
+from mmrl.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
+from mmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from mmrl.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from mmrl.algorithms.masked import masked_mean, masked_sum, masked_whiten
+from mmrl.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    dual_clip,
+    get_policy_loss,
+    gspo,
+    ppo_clip,
+    register_policy_loss,
+)
+from mmrl.algorithms.registry import load_from_file
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "agg_loss",
+    "drgrpo",
+    "dual_clip",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "grpo",
+    "gspo",
+    "kl_penalty",
+    "load_from_file",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "ppo_clip",
+    "register_advantage_estimator",
+    "register_kl_estimator",
+    "register_policy_loss",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+]

@@ -1,0 +1,202 @@
+"""Advantage estimators: how much to push up log π(y_t) for each response token.
+
+Every estimator takes ``token_rewards`` [B, T] (an outcome reward sits on the last valid
+token, so the score is s_i = Σ_t r_it), ``response_mask`` [B, T] and ``group_index`` [B]
+(the n responses to one prompt share a value), and returns ``(advantages, returns)``, both
+float32 [B, T] and exactly 0 on padding. ``returns`` is what the rewards alone make a token
+worth, before any baseline: the score s_i, or the discounted return-to-go for REINFORCE++.
+Unknown keyword arguments are ignored, so the trainer can pass one common set.
+
+Standard deviations are unbiased (Bessel's n − 1, the torch.std default). A group of one,
+or of equal scores, has no signal to rank by and gets advantage 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.algorithms.masked import masked_sum, masked_whiten
+from mmrl.algorithms.registry import lookup, register
+
+AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage_estimator(
+    name: str, *aliases: str
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Add `fn(token_rewards, response_mask, group_index, **kwargs) -> (advantages, returns)`."""
+    return register(ADVANTAGE_ESTIMATORS, name, *aliases)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as `name`; KeyError lists the choices."""
+    return lookup(
+        ADVANTAGE_ESTIMATORS,
+        name,
+        what="advantage estimator",
+        how_to_add="Add one with @mmrl.algorithms.register_advantage_estimator('name'), "
+        "or name a function in the config as 'path/to/file.py:function'.",
+    )
+
+
+def _scores(token_rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """s_i = Σ_t r_it over valid tokens, float32 [B]."""
+    return masked_sum(token_rewards.float(), response_mask, dim=-1)
+
+
+def _broadcast(per_seq: Tensor, response_mask: Tensor) -> Tensor:
+    """Copy a per-sequence value [B] onto that sequence's valid tokens, 0 elsewhere."""
+    values = per_seq[:, None].expand(response_mask.shape)
+    return torch.where(response_mask.bool(), values, torch.zeros_like(values))
+
+
+def _group_sum(values: Tensor, ids: Tensor) -> Tensor:
+    """Σ of `values` over each sample's group, per sample. `ids` are dense group ids < B."""
+    return torch.zeros_like(values).index_add_(0, ids, values)[ids]
+
+
+def _group_centred(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(s_i − mean of its group, group size, dense group ids), each [B].
+
+    Scores are first shifted by their group's max: then an all-equal group centres to
+    exactly 0 instead of to ±1 ulp of rounding, which a division by σ + eps would inflate.
+    """
+    ids = torch.unique(group_index, return_inverse=True)[1]
+    group_max = torch.zeros_like(scores).scatter_reduce(0, ids, scores, reduce="amax", include_self=False)
+    shifted = scores - group_max[ids]
+    size = _group_sum(torch.ones_like(scores), ids)
+    return shifted - _group_sum(shifted, ids) / size, size, ids
+
+
+@register_advantage_estimator("grpo")
+@torch.no_grad()
+def grpo(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    eps: float = 1e-6,
+    norm_adv_by_std: bool = True,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """GRPO (Shao et al. 2024): A_i = (s_i − mean_g(s)) / (std_g(s) + eps), std unbiased.
+
+    Normalising by the group std makes every prompt contribute at the same scale;
+    ``norm_adv_by_std=False`` keeps only the mean-centring (as in Dr.GRPO).
+    """
+    scores = _scores(token_rewards, response_mask)
+    centred, size, ids = _group_centred(scores, group_index)
+    if norm_adv_by_std:
+        std = (_group_sum(centred.square(), ids) / (size - 1).clamp(min=1)).sqrt()
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return _broadcast(centred, response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("drgrpo")
+@torch.no_grad()
+def drgrpo(
+    token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """Dr.GRPO (Liu et al. 2025): A_i = s_i − mean_g(s).
+
+    Dividing by std up-weights prompts that are nearly all right or all wrong; Dr.GRPO
+    drops it (and ``norm_adv_by_std`` is ignored here).
+    """
+    scores = _scores(token_rewards, response_mask)
+    centred = _group_centred(scores, group_index)[0]
+    return _broadcast(centred, response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("rloo")
+@torch.no_grad()
+def rloo(
+    token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """RLOO (Ahmadian et al. 2024): A_i = s_i − 1/(n−1) Σ_{j≠i} s_j.
+
+    A baseline without s_i itself keeps the gradient estimate unbiased. Computed as the
+    identical n/(n−1)·(s_i − mean_g(s)); a group of one gets 0.
+    """
+    scores = _scores(token_rewards, response_mask)
+    centred, size, _ = _group_centred(scores, group_index)
+    leave_one_out = centred * size / (size - 1).clamp(min=1)
+    return _broadcast(leave_one_out, response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025): G_t = r_t + γ G_{t+1}, A = whiten(G) over the batch's valid tokens.
+
+    Whitening over the whole batch instead of per group stabilises the scale without a critic.
+    Masked tokens are skipped, not discounted through: G carries over them unchanged.
+    """
+    mask = response_mask.bool()
+    rewards = torch.where(mask, token_rewards.float(), 0.0)
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(mask[:, t], running, 0.0)
+    return masked_whiten(returns, mask, eps), returns
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    eps: float = 1e-6,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (Hu 2025): A = whiten(s_i − mean_g(s)) over the batch's valid tokens.
+
+    The group mean removes the prompt's difficulty; whitening over the batch, not the
+    group, avoids GRPO's blow-up on groups with a tiny std.
+    """
+    scores = _scores(token_rewards, response_mask)
+    centred = _group_centred(scores, group_index)[0]
+    return (
+        masked_whiten(_broadcast(centred, response_mask), response_mask, eps),
+        _broadcast(scores, response_mask),
+    )
+
+
+@register_advantage_estimator("remax")
+@torch.no_grad()
+def remax(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    baseline_scores: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """ReMax (Li et al. 2023): A_i = s_i − b_i, b_i the score of the greedy response to the prompt.
+
+    The greedy rollout is a per-prompt baseline that needs no critic and no group.
+    """
+    if baseline_scores is None:
+        raise ValueError("remax needs baseline_scores=<Tensor[B], score of each prompt's greedy response>")
+    scores = _scores(token_rewards, response_mask)
+    if baseline_scores.shape != scores.shape:
+        raise ValueError(
+            f"baseline_scores must have shape {tuple(scores.shape)}, got {tuple(baseline_scores.shape)}"
+        )
+    return _broadcast(scores - baseline_scores.float(), response_mask), _broadcast(scores, response_mask)

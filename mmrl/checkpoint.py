@@ -1,0 +1,120 @@
+"""Atomic checkpoints that resume exactly.
+
+A checkpoint is written into a temporary folder, every file is fsynced, a manifest with
+each file's size goes in last, and only then is the folder renamed to `step_NNNNNNNN`. A
+folder without a manifest that matches its files is torn (the process died mid-write) and is
+ignored, so the newest complete checkpoint always wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+log = logging.getLogger("mmrl.checkpoint")
+MANIFEST = "manifest.json"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path, step: int, model: Any, processor: Any, state: dict[str, Any], keep: int
+) -> Path:
+    """Write `root/step_NNNNNNNN` atomically: an HF model folder plus optimizer/trainer state."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp / "model")
+    processor.save_pretrained(tmp / "model")
+    torch.save(state, tmp / "trainer_state.pt")
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    _fsync_tree(tmp)
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_tree(root)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def is_complete(folder: Path) -> bool:
+    """True when the manifest exists and every file it lists has its recorded size."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        return all((folder / name).stat().st_size == size for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; torn ones are logged and passed over."""
+    found = []
+    for folder in sorted(root.glob("step_*")):
+        if is_complete(folder):
+            found.append(folder)
+        else:
+            log.warning("ignoring torn checkpoint %s (no valid manifest)", folder)
+    return found
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    complete = list_checkpoints(root) if root.exists() else []
+    return complete[-1] if complete else None
+
+
+def load_model_weights(model: Any, folder: Path) -> None:
+    """Load `folder/model` weights into `model` in place; tied weights may be absent on disk."""
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder / "model").glob("*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(
+            f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"
+        )
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
+def load_trainer_state(folder: Path) -> dict[str, Any]:
+    return torch.load(folder / "trainer_state.pt", weights_only=False)

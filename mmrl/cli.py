@@ -1,0 +1,117 @@
+"""`mmrl` command line: train, quickstart, config show, model init-tiny, data synth."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from rich.console import Console
+
+from mmrl.config import ConfigError, dump_config, load_config
+
+
+def _train(args: argparse.Namespace) -> int:
+    from mmrl.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    Trainer(cfg, resume=args.resume).fit()
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def _init_tiny(args: argparse.Namespace) -> int:
+    from mmrl.models import build_tiny
+
+    out = build_tiny(args.out_dir, seed=args.seed)
+    print(f"tiny Qwen2.5-VL written to {out}")
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from mmrl.synthetic import generate
+
+    meta = generate(
+        args.out_dir,
+        task=args.task,
+        n_train=args.n_train,
+        n_val=args.n_val,
+        seed=args.seed,
+        image_size=args.image_size,
+    )
+    print(
+        f"{meta['n_train']} train / {meta['n_val']} val rows of task {args.task!r} written to {args.out_dir}"
+    )
+    return 0
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from mmrl.quickstart import run_quickstart
+
+    return run_quickstart(args.out, args.overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmrl", description="RL for vision-language models and VLA policies."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train with a YAML config; overrides as key.sub=value")
+    train.add_argument("config")
+    train.add_argument("overrides", nargs="*", help="e.g. actor.lr=1e-5 trainer.total_steps=10")
+    train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    train.set_defaults(func=_train)
+
+    quick = sub.add_parser(
+        "quickstart", help="build a tiny model and a visual task, then train it on this CPU"
+    )
+    quick.add_argument("--out", default="runs/quickstart", help="folder for the model, data and run")
+    quick.add_argument("overrides", nargs="*", help="overrides for configs/quickstart.yaml")
+    quick.set_defaults(func=_quickstart)
+
+    config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="action", required=True)
+    show = config.add_parser("show", help="print the resolved, validated config")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*")
+    show.set_defaults(func=_config_show)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="action", required=True)
+    tiny = model.add_parser("init-tiny", help="write a random-init tiny Qwen2.5-VL with its own tokenizer")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_init_tiny)
+
+    data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="action", required=True)
+    synth = data.add_parser("synth", help="write a seeded synthetic visual task (jsonl + png)")
+    synth.add_argument("out_dir")
+    synth.add_argument("--task", default="color")
+    synth.add_argument("--n-train", type=int, default=2048)
+    synth.add_argument("--n-val", type=int, default=128)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--image-size", type=int, default=56)
+    synth.set_defaults(func=_synth)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

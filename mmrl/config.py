@@ -1,0 +1,251 @@
+"""The run configuration: one YAML file, typed and validated before any work starts.
+
+Every section forbids unknown keys, so a typo fails at start with the key's dotted name,
+a close match if there is one, and what to do. `key.sub=value` overrides from the command
+line are parsed as YAML scalars and checked the same way.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message meant for the person running the command."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="Checkpoint folder: a Qwen2.5-VL download or `mmrl model init-tiny` output")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    freeze_vision_tower: bool = False
+
+
+class DataConfig(_Section):
+    train_files: list[str]
+    val_files: list[str] = []
+    image_dir: str | None = Field(
+        None, description="Base folder for relative image paths (default: the file's)"
+    )
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    system_prompt: str | None = None
+    format_prompt: str | None = Field(
+        None, description="Jinja template around the prompt, with {{ content }}"
+    )
+    max_prompt_length: int = Field(
+        1024, gt=0, description="Tokens, images included; longer prompts are skipped"
+    )
+    min_pixels: int = Field(28 * 28, gt=0)
+    max_pixels: int = Field(1024 * 28 * 28, gt=0)
+    train_batch_size: int = Field(8, gt=0, description="Prompts per training step")
+    val_batch_size: int = Field(64, gt=0, description="Prompts per validation generation call")
+    max_val_samples: int | None = Field(None, gt=0)
+    shuffle: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _files_as_lists(cls, values: Any) -> Any:
+        for key in ("train_files", "val_files"):
+            if isinstance(values, dict) and isinstance(values.get(key), str):
+                values[key] = [values[key]]
+        return values
+
+    @model_validator(mode="after")
+    def _pixels_ordered(self) -> DataConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("data.min_pixels must not exceed data.max_pixels")
+        return self
+
+
+class SamplingConfig(_Section):
+    n: int = Field(1, gt=0, description="Responses per prompt")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 disables top-k")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    n: int = Field(5, gt=0, description="Responses per prompt (the GRPO group size)")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    max_new_tokens: int = Field(512, gt=0, description="Response length budget in tokens")
+    val: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+
+
+class ActorConfig(_Section):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward pass")
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    use_kl_loss: bool = True
+    kl_loss_coef: float = Field(0.01, ge=0)
+    kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class RewardFunctionConfig(_Section):
+    name: str = Field(description="A built-in grader's short name, or path/to/file.py:function")
+    weight: float = 1.0
+    kwargs: dict[str, Any] = {}
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="answer_match")]
+    timeout_s: float = Field(10.0, gt=0)
+    isolation: Literal["inline", "process"] = "inline"
+    num_workers: int = Field(2, gt=0)
+
+
+class WarmupConfig(_Section):
+    """Supervised format warm-up: targets are answers shuffled across rows, so the model learns
+    the answer *format* and answer vocabulary, never the image-to-answer mapping."""
+
+    steps: int = Field(0, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(32, gt=0)
+    target_template: str = "<answer>{answer}</answer>"
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(100, gt=0)
+    val_every: int = Field(10, ge=0, description="0 disables periodic validation")
+    val_before_train: bool = True
+    save_every: int = Field(0, ge=0, description="0 saves only at the end")
+    keep_checkpoints: int = Field(2, gt=0)
+    output_dir: str = "runs/{experiment_name}"
+    experiment_name: str = "mmrl"
+    device: str = "auto"
+    seed: int = 1
+    loggers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
+    progress: bool = True
+
+
+class Config(_Section):
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    actor: ActorConfig = ActorConfig()
+    reward: RewardConfig = RewardConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.data.train_batch_size % self.actor.mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                f"actor.mini_batch_size ({self.actor.mini_batch_size}); change one of them"
+            )
+        if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
+                "group, so it needs rollout.n >= 2"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir.format(experiment_name=self.trainer.experiment_name))
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`actor.lr=1e-5` -> ("actor.lr", 1e-5); values are YAML, so lists and null work."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, prefix + name + ".")
+    return keys
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    known = _known_keys(Config)
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(where, known, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            parent = where.rpartition(".")[0]
+            options = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+            lines.append(f"{where}: unknown key.{hint} Keys allowed here: {', '.join(options)}.")
+        elif item["type"] == "missing":
+            lines.append(f"{where}: required, add it to the YAML or pass {where}=... on the command line.")
+        else:
+            value = item.get("input")
+            shown = f" (got {value!r})" if not isinstance(value, dict) else ""
+            lines.append(f"{where}: {item['msg']}{shown}.")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read YAML, apply `a.b=c` overrides, validate; raises ConfigError with a readable message."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path} must hold a YAML mapping at the top level")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML, as `mmrl config show` prints it and runs record it."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,85 @@
+"""Where metrics go: metrics.jsonl (the source of truth), TensorBoard, the console and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+
+class MetricsLogger:
+    """Appends one JSON object per step; on resume the file simply continues."""
+
+    def __init__(self, run_dir: Path, backends: list[str], console: Console | None = None) -> None:
+        self.run_dir = run_dir
+        self.backends = set(backends)
+        self.console = console or Console()
+        self.jsonl = run_dir / "metrics.jsonl"
+        self.writer = None
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        if "jsonl" in self.backends:
+            with self.jsonl.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl as a list of records; a resumed run's repeated steps keep the newest."""
+    if not path.exists():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step.setdefault(record["step"], {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_reward_curve(metrics_path: Path, out: Path) -> Path:
+    """reward_curve.png: training reward per step and validation accuracy where measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    train = [(r["step"], r["reward/mean"]) for r in records if isinstance(r.get("reward/mean"), (int, float))]
+    val = [(r["step"], r["val/accuracy"]) for r in records if isinstance(r.get("val/accuracy"), (int, float))]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train reward (mean)", color="#1f77b4", alpha=0.8)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation accuracy", color="#d62728")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(metrics_path.parent.name)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

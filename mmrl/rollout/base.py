@@ -1,0 +1,40 @@
+"""What every rollout engine takes and returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mmrl.batch import Batch
+from mmrl.data import PromptSample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling for one `generate` call; temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RolloutEngine(Protocol):
+    """Generates n responses per prompt.
+
+    The returned batch has `len(prompts) * n` rows, the n responses of a prompt adjacent, and:
+    tensors `prompt_index` (N,), `response_ids` (N, T) right-padded, `response_mask` (N, T),
+    `rollout_logprobs` (N, T) of the sampled tokens under softmax(logits / temperature),
+    `truncated` (N,) bool (no stop token within max_new_tokens); list `response_text`.
+    """
+
+    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch: ...
+
+    def sync_weights(self) -> None:
+        """Make the engine generate with the trainer's current weights."""

@@ -1,0 +1,115 @@
+"""The HF transformers engine: always available, and sharing the policy's weights in memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrl.algorithms import logprobs_from_logits
+from mmrl.batch import Batch
+from mmrl.data import PromptSample
+from mmrl.rollout.base import SamplingParams
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as a left-padded (B, L) id tensor and its attention mask."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def vision_inputs(prompts: list[PromptSample]) -> dict[str, torch.Tensor]:
+    """Concatenated pixel patches and grids of the prompts' images, in prompt order."""
+    with_images = [p for p in prompts if p.pixel_values is not None]
+    if not with_images:
+        return {}
+    return {
+        "pixel_values": torch.cat([p.pixel_values for p in with_images]),
+        "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]),
+    }
+
+
+class HFEngine:
+    """`model.generate` over left-padded prompts; placeholders can never be sampled."""
+
+    def __init__(self, model: Any, processor: Any) -> None:
+        self.model = model
+        self.tokenizer = processor.tokenizer
+        cfg = model.config
+        self.blocked = [
+            cfg.image_token_id,
+            cfg.video_token_id,
+            cfg.vision_start_token_id,
+            cfg.vision_end_token_id,
+        ]
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = sorted(
+            {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad([p.prompt_ids for p in prompts], self.tokenizer.pad_token_id)
+        mm_types = (ids == self.model.config.image_token_id).int()
+        extra = {k: v.to(device) for k, v in vision_inputs(prompts).items()}
+        stop = sorted({*self.eos_ids, *params.stop_token_ids})
+        sampling: dict[str, Any] = {"do_sample": False}
+        if not params.greedy:
+            sampling = {
+                "do_sample": True,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else 0,
+            }
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            mm_token_type_ids=mm_types.to(device),
+            **extra,
+            **sampling,
+            max_new_tokens=params.max_new_tokens,
+            num_return_sequences=params.n,
+            suppress_tokens=self.blocked,
+            eos_token_id=stop,
+            pad_token_id=self.tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        self.model.train(was_training)
+        response = out.sequences[:, ids.shape[1] :].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()
+        scale = params.temperature if not params.greedy else 1.0
+        logprobs = logprobs_from_logits(logits / scale, response)
+        is_stop = torch.isin(response, torch.tensor(stop))
+        # Valid tokens run up to and including the first stop token.
+        before_stop = (is_stop.cumsum(dim=1) - is_stop.long()) == 0
+        response_mask = before_stop.long()
+        truncated = ~is_stop.any(dim=1)
+        response = response.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(response, response_mask, strict=True)],
+            skip_special_tokens=True,
+        )
+        batch = Batch(
+            tensors={
+                "prompt_index": torch.arange(len(prompts)).repeat_interleave(params.n),
+                "response_ids": response,
+                "response_mask": response_mask,
+                "rollout_logprobs": logprobs * response_mask,
+                "truncated": truncated,
+            },
+            prompts=prompts,
+        )
+        batch.set(response_text=texts)
+        return batch
+
+    def sync_weights(self) -> None:
+        """Nothing to copy: this engine generates with the training model object itself."""

@@ -1,0 +1,355 @@
+"""The RL loop (DESIGN.md): generate, score, log-probs, advantages, update, sync, log, save."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import resource
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from mmrl import checkpoint as ckpt
+from mmrl.actor import Actor
+from mmrl.algorithms import get_advantage_estimator
+from mmrl.batch import Batch
+from mmrl.config import Config, dump_config
+from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
+from mmrl.logger import MetricsLogger, plot_reward_curve
+from mmrl.models import load_policy, load_processor, resolve_dtype
+from mmrl.rollout import SamplingParams, make_engine
+from mmrl.warmup import format_warmup
+from processors import PixelBudget
+from rewards import RewardInput, RewardManager
+
+log = logging.getLogger("mmrl.trainer")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def reward_label(name: str) -> str:
+    """The metric name a reward function's score is logged under."""
+    return name.rpartition(":")[2] if ":" in name else name
+
+
+class Trainer:
+    """Builds every part from the config, then runs `fit`; `resume=True` continues the newest checkpoint."""
+
+    def __init__(self, cfg: Config, resume: bool = False, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.console = console or Console()
+        self.run_dir = cfg.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        seed_everything(cfg.trainer.seed)
+        device = (
+            cfg.trainer.device
+            if cfg.trainer.device != "auto"
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.processor = load_processor(cfg.model.path)
+        self.model = load_policy(cfg.model.path, resolve_dtype(cfg.model.dtype, device), device)
+        if cfg.model.freeze_vision_tower:
+            self.model.model.visual.requires_grad_(False)
+        self.pad_id = self.processor.tokenizer.pad_token_id
+        self.train_set, self.val_samples = self._datasets()
+        self.loader = PromptLoader(
+            self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
+        )
+        self.engine = make_engine(cfg.rollout.engine, self.model, self.processor)
+        self.rewards = RewardManager(
+            [f.model_dump() for f in cfg.reward.functions],
+            timeout_s=cfg.reward.timeout_s,
+            isolation=cfg.reward.isolation,
+            num_workers=cfg.reward.num_workers,
+        )
+        self.accuracy_key = reward_label(cfg.reward.functions[0].name)
+        self.actor = Actor(
+            self.model, cfg.actor, self.pad_id, cfg.rollout.temperature or 1.0, cfg.rollout.max_new_tokens
+        )
+        self.ref: Any = None
+        self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, self.console)
+        self.step = 0
+        self.resumed_from: Path | None = None
+        if resume:
+            self._resume()
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg.trainer
+        if self.resumed_from is None and self.cfg.warmup.steps:
+            self._warmup()
+        self.ref = self._reference()
+        if cfg.val_before_train and self.step == 0:
+            self.logger.log(0, self.validate())
+        with self._progress() as bar:
+            task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")
+            while self.step < cfg.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
+                    metrics.update(self.validate())
+                self.logger.log(self.step, metrics)
+                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps:
+                    self.save()
+                bar.update(task, completed=self.step, info=_progress_info(metrics))
+        plot_reward_curve(self.logger.jsonl, self.run_dir / "reward_curve.png")
+        self.logger.close()
+        self.rewards.close()
+        return {"run_dir": str(self.run_dir), "steps": self.step}
+
+    def train_step(self) -> dict[str, Any]:
+        timer = _Timer()
+        with timer("rollout"):
+            prompts = self.loader.next_batch()
+            batch = self.engine.generate(prompts, self.train_sampling)
+        with timer("reward"):
+            scores, metrics = self.score(batch, prefix="reward")
+        if self.actor.needs_old_logprobs(len(batch), self.cfg.rollout.n):
+            with timer("old_logprobs"):
+                batch.set(old_logprobs=self.actor.logprobs(self.model, batch))
+        if self.ref is not None:
+            with timer("ref"):
+                batch.set(ref_logprobs=self.actor.logprobs(self.ref, batch))
+        with timer("advantage"):
+            batch.set(advantages=self.advantages(batch, scores))
+        with timer("update"):
+            stats = self.actor.update(batch, self.cfg.rollout.n)
+        with timer("sync"):
+            self.engine.sync_weights()
+        metrics.update(stats.metrics)
+        metrics.update(_response_metrics(batch, prompts))
+        metrics.update(timer.metrics(tokens=_token_count(batch, prompts)))
+        metrics["actor/skipped_updates"] = stats.skipped_steps
+        metrics.update({f"data/skipped/{k}": v for k, v in self.train_set.skipped.items()})
+        metrics["data/epoch"] = self.loader.epoch
+        metrics["data/rows"] = [p.row_id for p in prompts]
+        return metrics
+
+    # ---------------------------------------------------------------- pieces
+    @property
+    def train_sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens
+        )
+
+    def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        inputs = []
+        for index, text in zip(batch["prompt_index"].tolist(), batch["response_text"], strict=True):
+            sample: PromptSample = batch.prompts[index]
+            inputs.append(
+                RewardInput(
+                    response=text,
+                    ground_truth=sample.ground_truth,
+                    images=sample.images,
+                    image_sizes=sample.image_sizes,
+                    prompt=sample.prompt_text,
+                    extra=sample.extra,
+                )
+            )
+        result = self.rewards.score(inputs)
+        scores = torch.tensor(result.overall, dtype=torch.float32)
+        metrics: dict[str, Any] = {
+            f"{prefix}/mean": float(scores.mean()),
+            f"{prefix}/std": float(scores.std(correction=0)),
+        }
+        metrics.update({f"{prefix}/{k}": float(np.mean(v)) for k, v in result.components.items()})
+        metrics.update({f"{prefix}/failures/{k}": v for k, v in result.failures.items()})
+        return scores, metrics
+
+    def advantages(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+        mask = batch["response_mask"].float()
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(scores)), last] = scores  # outcome reward on the final token
+        advantages, _ = self.advantage(
+            token_rewards,
+            mask,
+            batch["prompt_index"],
+            norm_adv_by_std=self.cfg.algorithm.norm_adv_by_std,
+            gamma=self.cfg.algorithm.gamma,
+        )
+        return advantages
+
+    def validate(self) -> dict[str, Any]:
+        """Greedy answers on the held-out prompts; touches no RNG the training run depends on."""
+        v = self.cfg.rollout.val
+        params = SamplingParams(
+            n=v.n,
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+        )
+        per_key: dict[str, list[float]] = {}
+        with torch.random.fork_rng(devices=[]):
+            for start in range(0, len(self.val_samples), self.cfg.data.val_batch_size):
+                chunk = self.val_samples[start : start + self.cfg.data.val_batch_size]
+                batch = self.engine.generate(chunk, params)
+                _, metrics = self.score(batch, prefix="val")
+                for key, value in metrics.items():
+                    per_key.setdefault(key, []).append((value, len(batch)))
+        merged = {k: sum(v * n for v, n in pairs) / sum(n for _, n in pairs) for k, pairs in per_key.items()}
+        merged["val/accuracy"] = merged.get(f"val/{self.accuracy_key}", merged["val/mean"])
+        return merged
+
+    def save(self) -> Path:
+        state = {
+            "step": self.step,
+            "optimizer": self.actor.optimizer.state_dict(),
+            "scheduler": self.actor.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "skipped": dict(self.train_set.skipped),
+            "rng": ckpt.rng_state(),
+        }
+        return ckpt.save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            self.model,
+            self.processor,
+            state,
+            self.cfg.trainer.keep_checkpoints,
+        )
+
+    def _resume(self) -> None:
+        folder = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+        if folder is None:
+            self.console.print(
+                f"[yellow]--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh"
+            )
+            return
+        ckpt.load_model_weights(self.model, folder)
+        state = ckpt.load_trainer_state(folder)
+        self.actor.optimizer.load_state_dict(state["optimizer"])
+        self.actor.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.train_set.skipped.update(state["skipped"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.resumed_from = folder
+        self.console.print(f"resumed from {folder} at step {self.step}")
+
+    def _datasets(self) -> tuple[PromptDataset, list[PromptSample]]:
+        d = self.cfg.data
+        vcfg = self.model.config.vision_config
+        budget = PixelBudget(d.min_pixels, d.max_pixels, vcfg.patch_size, vcfg.spatial_merge_size)
+        common = {
+            "budget": budget,
+            "max_prompt_length": d.max_prompt_length,
+            "prompt_key": d.prompt_key,
+            "answer_key": d.answer_key,
+            "image_key": d.image_key,
+            "image_dir": d.image_dir,
+            "system_prompt": d.system_prompt,
+            "format_prompt": d.format_prompt,
+        }
+        train = PromptDataset(
+            read_rows(d.train_files), self.processor.tokenizer, self.processor.image_processor, **common
+        )
+        val: list[PromptSample] = []
+        if d.val_files:
+            val_set = PromptDataset(
+                read_rows(d.val_files), self.processor.tokenizer, self.processor.image_processor, **common
+            )
+            val = val_set.prepare_all(d.max_val_samples)
+            if val_set.skipped:
+                log.warning("validation rows skipped: %s", dict(val_set.skipped))
+        return train, val
+
+    def _warmup(self) -> None:
+        samples = self.train_set.prepare_all(limit=512)
+        losses = format_warmup(
+            self.model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
+        )
+        self.model.save_pretrained(
+            self.run_dir / "warmup_model"
+        )  # the RL starting point, and the KL reference
+        self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+    def _reference(self) -> Any:
+        """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off."""
+        if not (self.cfg.actor.use_kl_loss and self.cfg.actor.kl_loss_coef > 0):
+            return None
+        if self.resumed_from is None:
+            return copy.deepcopy(self.model).eval().requires_grad_(False)
+        start = self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
+        device = next(self.model.parameters()).device
+        return (
+            load_policy(start, next(self.model.parameters()).dtype, str(device)).eval().requires_grad_(False)
+        )
+
+    def _progress(self) -> Progress:
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.cfg.trainer.progress,
+        )
+
+
+class _Timer:
+    """Wall time per phase, reported as timing/<phase> seconds plus throughput."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        out = {f"timing/{k}": v for k, v in self.phases.items()}
+        out["timing/step"] = total
+        out["throughput/tokens_per_s"] = tokens / total
+        out["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return out
+
+
+def _token_count(batch: Batch, prompts: list[PromptSample]) -> int:
+    prompt_tokens = sum(len(prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
+    return prompt_tokens + int(batch["response_mask"].sum())
+
+
+def _response_metrics(batch: Batch, prompts: list[PromptSample]) -> dict[str, float]:
+    lengths = batch["response_mask"].sum(dim=1).float()
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_frac": float(batch["truncated"].float().mean()),
+        "prompt_length/mean": float(np.mean([len(p.prompt_ids) for p in prompts])),
+    }
+
+
+def _progress_info(metrics: dict[str, Any]) -> str:
+    text = f"reward {metrics.get('reward/mean', float('nan')):.3f}"
+    if "val/accuracy" in metrics:
+        text += f"  val acc {metrics['val/accuracy']:.3f}"
+    return text

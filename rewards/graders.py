@@ -1,0 +1,149 @@
+"""Built-in graders, registered by short name so a config can say `answer_match` instead of a file path.
+
+Graders are trusted and cheap (string work only), which is why the reward manager runs them in-process even
+when user functions are isolated in worker processes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TypeVar
+
+from rewards.types import RewardFn, RewardInput
+
+GRADERS: dict[str, RewardFn] = {}
+
+_F = TypeVar("_F", bound=RewardFn)
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_LINE = re.compile(r"\banswer\s*:([^\n]*)", re.IGNORECASE)
+_TAGGED = re.compile(r"\s*(?:<think>.*?</think>\s*)?<answer>(.*?)</answer>\s*", re.DOTALL)
+# What may follow a box in a well-formed response: closing math delimiters and a full stop belong to
+# writing the box ("$\boxed{4}$."), anything else is text after the answer.
+_BOX_TAIL = re.compile(r"(?:\s|\$|\\\]|\\\)|\.)*")
+# Stripped from both ends of an answer: formatting, not content.
+_WRAPPERS = " \t\r\n\f\v'\"`$‘’“”"
+# Stripped from the end only: sentence punctuation. A leading "." or "-" can be part of a number.
+_TRAILING = ".,;:!?"
+
+
+def register_grader(name: str) -> Callable[[_F], _F]:
+    """Register a grader under `name`; duplicates are refused so one grader can never silently shadow
+    another."""
+    if not name.isidentifier():
+        raise ValueError(f"grader name {name!r} must be a Python identifier (it is used in configs and logs)")
+
+    def decorate(fn: _F) -> _F:
+        if name in GRADERS:
+            raise ValueError(f"a grader named {name!r} is already registered; pick another name")
+        GRADERS[name] = fn
+        return fn
+
+    return decorate
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """Index of the brace closing the group opened just before `start`; None if the text ends first.
+    Backslash-escaped characters (`\\{`, `\\}`) do not count as braces, as in LaTeX."""
+    depth = 1
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def _boxes(text: str) -> list[tuple[int, int]]:
+    """(content start, closing brace) of each complete top-level `\\boxed{...}`; an unclosed box (a
+    truncated response) is not an answer."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while match := _BOXED.search(text, pos):
+        close = _closing_brace(text, match.end())
+        if close is None:
+            pos = match.end()
+        else:
+            spans.append((match.end(), close))
+            pos = close + 1
+    return spans
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a response: the last `\\boxed{}`, else the last `<answer>` block, else the rest
+    of the line after the last "Answer:". Returns None when there is none; never raises, because it runs
+    on arbitrary model output."""
+    if not isinstance(text, str):
+        return None
+    if boxes := _boxes(text):
+        start, close = boxes[-1]
+        return text[start:close].strip()
+    if tagged := _ANSWER_TAG.findall(text):
+        return tagged[-1].strip()
+    if lines := _ANSWER_LINE.findall(text):
+        return lines[0].strip() or None
+    return None
+
+
+def normalize_answer(text: str) -> str:
+    """Fold away differences that do not change an answer: case, surrounding whitespace, quotes, `$`,
+    trailing sentence punctuation, and runs of inner whitespace."""
+    previous = None
+    while previous != text:
+        previous = text
+        text = text.strip(_WRAPPERS).rstrip(_TRAILING)
+    return " ".join(text.casefold().split())
+
+
+@register_grader("answer_match")
+def answer_match(sample: RewardInput) -> float:
+    """1.0 if the extracted answer equals the ground truth (a string or a list of acceptable strings)
+    after normalisation, else 0.0."""
+    answer = extract_answer(sample.response)
+    if not answer:
+        return 0.0
+    answer = normalize_answer(answer)
+    truth = sample.ground_truth
+    accepted = truth if isinstance(truth, (list, tuple)) else [truth]
+    return float(any(normalize_answer(str(item)) == answer for item in accepted if item is not None))
+
+
+@register_grader("format_answer")
+def format_answer(sample: RewardInput) -> float:
+    """1.0 for a well-formed response, else 0.0.
+
+    With `<answer>` tags: an optional `<think>` block, then exactly one non-empty `<answer>` block, then
+    only whitespace. Without tags: exactly one non-empty `\\boxed{}`, followed only by whitespace, closing
+    math delimiters or a full stop.
+    """
+    text = sample.response
+    if "<answer>" in text or "</answer>" in text:
+        match = _TAGGED.fullmatch(text)
+        one_answer = text.count("<answer>") == text.count("</answer>") == 1
+        at_most_one_think = text.count("<think>") == text.count("</think>") <= 1
+        return float(bool(match and one_answer and at_most_one_think and match.group(1).strip()))
+    boxes = _boxes(text)
+    if len(boxes) != 1:
+        return 0.0
+    start, close = boxes[0]
+    return float(bool(text[start:close].strip() and _BOX_TAIL.fullmatch(text, close + 1)))
+
+
+@register_grader("format_think_boxed")
+def format_think_boxed(sample: RewardInput) -> float:
+    """1.0 if the response opens with one `<think>...</think>` block and a `\\boxed{}` follows it, else 0.0:
+    the reasoning-then-boxed-answer format of math RL recipes."""
+    text = sample.response.lstrip()
+    if not text.startswith("<think>") or text.count("<think>") != 1 or text.count("</think>") != 1:
+        return 0.0
+    return float(bool(_boxes(text[text.index("</think>") :])))

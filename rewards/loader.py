@@ -1,0 +1,80 @@
+"""Turn a reward spec from a config (a built-in name or `path/to/file.py:function`) into a callable.
+
+Errors name what was looked for and what exists, because they surface at launch time to someone editing a
+config, not to someone reading this code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from rewards.graders import GRADERS
+from rewards.types import RewardFn
+
+
+def split_file_spec(spec: str) -> tuple[Path, str] | None:
+    """(absolute file path, function name) for a `file.py:function` spec; None for a built-in name.
+    The path is resolved against the current directory now, so worker processes find the same file."""
+    path, sep, function = spec.rpartition(":")
+    if not sep:
+        return None
+    return Path(path).expanduser().resolve(), function
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """The reward function `spec` names: a registered grader or a function in a Python file."""
+    parts = split_file_spec(spec)
+    if parts is None:
+        if spec in GRADERS:
+            return GRADERS[spec]
+        hint = f" To use a file, add the function: '{spec}:function_name'." if spec.endswith(".py") else ""
+        raise ValueError(
+            f"unknown reward function {spec!r}.{hint} Built-in graders: {', '.join(sorted(GRADERS))}; "
+            "for your own function use 'path/to/file.py:function_name'."
+        )
+    path, name = parts
+    if path.suffix != ".py" or not name:
+        raise ValueError(f"reward spec {spec!r} should look like 'path/to/file.py:function_name'")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"reward file {path} not found (spec {spec!r}); relative paths are resolved against the "
+            f"current directory, {Path.cwd()}"
+        )
+    module = _import_file(path)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        defined = ", ".join(_functions_defined_in(module)) or "none"
+        raise AttributeError(f"{path} has no function {name!r}; functions it defines: {defined}")
+    return fn
+
+
+def _import_file(path: Path) -> ModuleType:
+    """Execute a reward file as a fresh module, registered in sys.modules so that dataclasses and pickling
+    inside it work; the module name is unique per path so two `rewards.py` files never collide."""
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module_name = f"mmrl_reward_file_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import reward file {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise ImportError(f"importing reward file {path} failed: {err!r}") from err
+    return module
+
+
+def _functions_defined_in(module: ModuleType) -> list[str]:
+    """Public functions defined in the module itself, not imported into it."""
+    return sorted(
+        name
+        for name, obj in vars(module).items()
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
+    )
