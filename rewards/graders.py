@@ -91,7 +91,7 @@ def extract_answer(text: str) -> str | None:
     if tagged := _ANSWER_TAG.findall(text):
         return tagged[-1].strip()
     if lines := _ANSWER_LINE.findall(text):
-        return lines[0].strip() or None
+        return lines[-1].strip() or None
     return None
 
 

@@ -27,13 +27,15 @@ _SPEC_KEYS = {"name", "weight", "kwargs"}
 
 @dataclass(frozen=True)
 class _Function:
-    """One configured reward function. `worker_spec` is set when it must run in a worker process."""
+    """One configured reward function. `spec` is canonical (file paths absolute) for worker processes;
+    `remote` says whether calls run in one."""
 
     label: str
+    spec: str
     fn: RewardFn
     weight: float
     kwargs: dict[str, Any]
-    worker_spec: str | None
+    remote: bool
 
 
 class RewardManager:
@@ -62,10 +64,9 @@ class RewardManager:
         labels = [f.label for f in self._functions]
         if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
             raise ValueError(f"reward functions must have distinct names; repeated: {', '.join(duplicates)}")
-        self._timeout_s = timeout_s
         self._logged: set[tuple[str, str]] = set()
-        self._remote = [f for f in self._functions if f.worker_spec is not None]
-        worker_functions = [(f.worker_spec, f.kwargs) for f in self._functions if f.worker_spec is not None]
+        self._remote = [f for f in self._functions if f.remote]
+        worker_functions = [(f.spec, f.kwargs) for f in self._remote]
         self._pool = WorkerPool(worker_functions, num_workers, timeout_s) if worker_functions else None
         self._closed = False
 
@@ -76,7 +77,7 @@ class RewardManager:
         outcomes: dict[str, list[Outcome]] = {
             f.label: [evaluate(f.fn, sample, f.kwargs) for sample in samples]
             for f in self._functions
-            if f.worker_spec is None
+            if not f.remote
         }
         if self._pool is not None:
             remote = self._pool.run(samples)
@@ -152,6 +153,6 @@ def _configure(spec: dict[str, Any], isolate: bool) -> _Function:
         raise ValueError(f"reward function {name!r} cannot take kwargs {kwargs}: {err}") from err
     file_spec = split_file_spec(name)
     if file_spec is None:
-        return _Function(name, fn, float(weight), kwargs, worker_spec=None)
+        return _Function(name, name, fn, float(weight), kwargs, remote=False)
     path, function_name = file_spec
-    return _Function(function_name, fn, float(weight), kwargs, f"{path}:{function_name}" if isolate else None)
+    return _Function(function_name, f"{path}:{function_name}", fn, float(weight), kwargs, remote=isolate)

@@ -7,11 +7,10 @@ process boundary, whatever the user function returned.
 from __future__ import annotations
 
 import math
-import numbers
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, SupportsFloat
 
 from rewards.types import RewardFn, RewardInput
 
@@ -61,11 +60,16 @@ def _key(key: object) -> str:
 
 
 def _finite(value: object, what: str) -> float:
-    if not isinstance(value, numbers.Real):
+    """`value` as a finite float. Anything with __float__ counts (numpy scalars, one-element tensors);
+    strings do not, since a string score is a bug rather than a number."""
+    try:
+        number = float(value) if isinstance(value, SupportsFloat) else None
+    except (TypeError, ValueError):  # e.g. a tensor with several elements
+        number = None
+    if number is None:
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise InvalidRewardError(f"{what} is {type(value).__name__} {shown}, expected a float")
-    number = float(value)
     if not math.isfinite(number):
         raise InvalidRewardError(f"{what} is {number}, expected a finite float")
     return number

@@ -11,7 +11,8 @@ what makes per-call timeouts possible without a round-trip per call: the parent 
 on every result it receives, so the clock always times the call the worker is on. When it runs out, that
 call scores a timeout, the worker is killed and replaced, and the chunk's unfinished calls go back to the
 front of the queue. The first call's clock starts once its chunk is sent, so it also covers unpickling the
-chunk (milliseconds); the clock only ever starts late, never early, so timeouts err towards lenient.
+chunk (milliseconds); later clocks start when the previous result arrives, a little after the call began,
+so they err towards lenient.
 
 Workers start with the "spawn" method (no inherited CUDA state or locks), load the functions once, and
 report ready; start-up time (often imports of torch and friends) never counts against a call.
@@ -28,7 +29,6 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
@@ -102,6 +102,21 @@ class _Worker:
         self.conn.close()
 
 
+class _Batch:
+    """One run's bookkeeping: its samples, the chunks not yet handed out, and the outcomes so far."""
+
+    def __init__(self, samples: list[RewardInput], num_functions: int, chunks: list[list[Call]]):
+        self.samples = samples
+        self.pending = deque(chunks)
+        self.outcomes: list[list[Outcome | None]] = [[None] * len(samples) for _ in range(num_functions)]
+        self.missing = len(samples) * num_functions
+
+    def record(self, call: Call, outcome: Outcome) -> None:
+        sample_index, function_index = call
+        self.outcomes[function_index][sample_index] = outcome
+        self.missing -= 1
+
+
 def _stop(workers: list[_Worker]) -> None:
     """Ask every worker to exit, kill any that do not within the grace period, and reap them all."""
     for worker in workers:
@@ -134,29 +149,20 @@ class WorkerPool:
 
     def run(self, samples: list[RewardInput]) -> list[list[Outcome]]:
         """Every function on every sample, as outcomes[function][sample]. Failures become outcomes; this
-        only raises if the pool is closed."""
+        only raises if the pool is closed (or on KeyboardInterrupt)."""
         if not self._finalizer.alive:
             raise RuntimeError("the reward worker pool is closed")
-        results: list[list[Outcome | None]] = [[None] * len(samples) for _ in self._functions]
-        pending = deque(self._chunks(len(samples)))
-        missing = len(samples) * len(self._functions)
-
-        def record(call: Call, outcome: Outcome) -> None:
-            nonlocal missing
-            sample_index, function_index = call
-            results[function_index][sample_index] = outcome
-            missing -= 1
-
+        batch = _Batch(samples, len(self._functions), self._chunks(len(samples)))
         self._top_up()
         try:
-            while missing:
-                self._step(samples, pending, record)
+            while batch.missing:
+                self._step(batch)
         except BaseException:
             # Interrupted mid-batch: results still in flight would be misread by the next batch.
             for worker in [w for w in self._workers if w.calls]:
                 self._discard(worker)
             raise
-        return cast(list[list[Outcome]], results)
+        return cast(list[list[Outcome]], batch.outcomes)
 
     def _chunks(self, num_samples: int) -> list[list[Call]]:
         size = max(1, math.ceil(num_samples / (self._num_workers * _CHUNKS_PER_WORKER)))
@@ -167,19 +173,17 @@ class WorkerPool:
             for start in starts
         ]
 
-    def _step(
-        self, samples: list[RewardInput], pending: deque[list[Call]], record: Callable[[Call, Outcome], None]
-    ) -> None:
+    def _step(self, batch: _Batch) -> None:
         """Hand out chunks, then wait for messages or the nearest deadline and act on what happened."""
         for worker in list(self._workers):
-            if pending and not worker.waiting_on:
-                self._assign(worker, pending.popleft(), samples, pending, record)
+            if batch.pending and not worker.waiting_on:
+                self._assign(worker, batch.pending.popleft(), batch)
         if not self._workers:
             # Every worker failed to start; fail the remaining calls instead of retrying forever.
             detail = f"no reward worker could be started:\n{self._start_error}"
-            while pending:
-                for call in pending.popleft():
-                    record(call, Outcome("exception", detail=detail))
+            while batch.pending:
+                for call in batch.pending.popleft():
+                    batch.record(call, Outcome("exception", detail=detail))
             return
         busy = [w for w in self._workers if w.waiting_on]
         if not busy:
@@ -188,45 +192,36 @@ class WorkerPool:
         readable = wait([w.conn for w in busy], timeout)
         for worker in busy:
             if worker.conn in readable:
-                self._receive(worker, pending, record)
+                self._receive(worker, batch)
         now = time.monotonic()
         for worker in [w for w in busy if w in self._workers and w.waiting_on and w.deadline <= now]:
             if worker.ready:
                 timed_out = Outcome("timeout", detail=f"no result within {self._timeout_s:g}s")
-                self._fail_current(worker, timed_out, pending, record)
+                self._fail_current(worker, timed_out, batch)
             else:
                 self._start_error = f"worker did not start within {_START_TIMEOUT_S:g}s"
                 self._discard(worker)
 
-    def _assign(
-        self,
-        worker: _Worker,
-        chunk: list[Call],
-        samples: list[RewardInput],
-        pending: deque[list[Call]],
-        record: Callable[[Call, Outcome], None],
-    ) -> None:
-        needed = {index: samples[index] for index, _ in chunk}
+    def _assign(self, worker: _Worker, chunk: list[Call], batch: _Batch) -> None:
+        needed = {index: batch.samples[index] for index, _ in chunk}
         try:
             payload = pickle.dumps((needed, chunk), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             detail = f"samples could not be pickled for a reward worker:\n{traceback.format_exc()}"
             for call in chunk:
-                record(call, Outcome("exception", detail=detail))
+                batch.record(call, Outcome("exception", detail=detail))
             return
         try:
             worker.conn.send_bytes(payload)
         except OSError:
             # The worker died while idle; nothing of this chunk ran, so it simply goes back in the queue.
-            pending.appendleft(chunk)
+            batch.pending.appendleft(chunk)
             self._replace(worker)
             return
         worker.calls, worker.done = chunk, 0
         worker.deadline = time.monotonic() + self._timeout_s
 
-    def _receive(
-        self, worker: _Worker, pending: deque[list[Call]], record: Callable[[Call, Outcome], None]
-    ) -> None:
+    def _receive(self, worker: _Worker, batch: _Batch) -> None:
         """Drain a worker's messages; a closed pipe means the worker died."""
         try:
             while worker.conn.poll():
@@ -238,7 +233,7 @@ class WorkerPool:
                     self._discard(worker)
                     return
                 else:
-                    record(worker.calls[worker.done], payload)
+                    batch.record(worker.calls[worker.done], payload)
                     worker.done += 1
                     worker.deadline = time.monotonic() + self._timeout_s
                     if worker.done == len(worker.calls):
@@ -250,22 +245,16 @@ class WorkerPool:
                 self._discard(worker)
             elif worker.calls:
                 detail = f"reward worker died (exit code {worker.process.exitcode}) during this call"
-                self._fail_current(worker, Outcome("exception", detail=detail), pending, record)
+                self._fail_current(worker, Outcome("exception", detail=detail), batch)
             else:
                 self._replace(worker)
 
-    def _fail_current(
-        self,
-        worker: _Worker,
-        outcome: Outcome,
-        pending: deque[list[Call]],
-        record: Callable[[Call, Outcome], None],
-    ) -> None:
+    def _fail_current(self, worker: _Worker, outcome: Outcome, batch: _Batch) -> None:
         """The worker's current call failed and the worker is unusable: record the failure, requeue the
         rest of its chunk and replace it."""
-        record(worker.calls[worker.done], outcome)
+        batch.record(worker.calls[worker.done], outcome)
         if rest := worker.calls[worker.done + 1 :]:
-            pending.appendleft(rest)
+            batch.pending.appendleft(rest)
         self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:
