@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 log = logging.getLogger("mmrl.checkpoint")
 MANIFEST = "manifest.json"
@@ -102,12 +101,28 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_model_weights(model: Any, folder: Path) -> None:
-    """Load `folder/model` weights into `model` in place; tied weights may be absent on disk."""
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted((folder / "model").glob("*.safetensors")):
-        state.update(load_file(shard))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    """Load `folder/model` weights into `model` in place (the optimizer keeps its parameters).
+
+    The folder is read back with `from_pretrained`, the inverse of the `save_pretrained` that
+    wrote it: transformers renames keys on save (Qwen2.5-VL's `model.language_model.*` is
+    stored as `model.*`, `model.visual.*` as `visual.*`), so the raw safetensors keys do not
+    match `model.state_dict()`. Loading touches no global RNG state.
+    """
+    source = folder / "model"
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"checkpoint {folder} has no model folder (model/config.json missing)")
+    dtype = next(model.parameters()).dtype
+    with torch.random.fork_rng(devices=[]):
+        saved, info = type(model).from_pretrained(source, dtype=dtype, output_loading_info=True)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    absent = set(info.get("missing_keys", ())) - tied
+    unfit = [*info.get("unexpected_keys", ()), *info.get("mismatched_keys", ())]
+    if absent or unfit:
+        raise RuntimeError(
+            f"checkpoint {folder} does not fit the model: missing {sorted(absent)}, unexpected {unfit}"
+        )
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+    del saved
     if unexpected or set(missing) - tied:
         raise RuntimeError(
             f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"

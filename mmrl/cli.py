@@ -6,16 +6,36 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
-from mmrl.config import ConfigError, dump_config, load_config
+from mmrl.config import Config, ConfigError, dump_config, load_config
+
+
+def _preflight(cfg: Config) -> None:
+    """Fail before any model is loaded or run folder written when an input path is wrong.
+
+    Without this a missing model folder surfaces as a transformers hub error about repo ids
+    (the processor is loaded first), and a missing data file only after the model has loaded.
+    """
+    model = Path(cfg.model.path)
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path: no model checkpoint at {model} (config.json missing). Build a tiny one with "
+            f"`mmrl model init-tiny {model}`, or point model.path at a downloaded Qwen2.5-VL folder."
+        )
+    for key in ("train_files", "val_files"):
+        for name in getattr(cfg.data, key):
+            if not Path(name).exists():
+                raise FileNotFoundError(f"data.{key}: data file {name} does not exist")
 
 
 def _train(args: argparse.Namespace) -> int:
     from mmrl.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    _preflight(cfg)
     Trainer(cfg, resume=args.resume).fit()
     return 0
 
@@ -36,14 +56,17 @@ def _init_tiny(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from mmrl.synthetic import generate
 
-    meta = generate(
-        args.out_dir,
-        task=args.task,
-        n_train=args.n_train,
-        n_val=args.n_val,
-        seed=args.seed,
-        image_size=args.image_size,
-    )
+    try:
+        meta = generate(
+            args.out_dir,
+            task=args.task,
+            n_train=args.n_train,
+            n_val=args.n_val,
+            seed=args.seed,
+            image_size=args.image_size,
+        )
+    except ValueError as err:  # a bad --image-size or count: a usage error, not a crash
+        raise ConfigError(str(err)) from None
     print(
         f"{meta['n_train']} train / {meta['n_val']} val rows of task {args.task!r} written to {args.out_dir}"
     )
@@ -57,6 +80,8 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmrl.synthetic import TASKS
+
     parser = argparse.ArgumentParser(
         prog="mmrl", description="RL for vision-language models and VLA policies."
     )
@@ -91,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="action", required=True)
     synth = data.add_parser("synth", help="write a seeded synthetic visual task (jsonl + png)")
     synth.add_argument("out_dir")
-    synth.add_argument("--task", default="color")
+    synth.add_argument("--task", default="color", choices=sorted(TASKS))
     synth.add_argument("--n-train", type=int, default=2048)
     synth.add_argument("--n-val", type=int, default=128)
     synth.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,8 @@ line are parsed as YAML scalars and checked the same way.
 from __future__ import annotations
 
 import difflib
+import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -178,6 +180,22 @@ class Config(_Section):
         return Path(self.trainer.output_dir.format(experiment_name=self.trainer.experiment_name))
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-5` and `3E4` as floats (YAML 1.2; PyYAML's 1.1 rules need a dot),
+    so a learning rate or a reward kwarg written the usual way never arrives as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node = tree
     *parents, leaf = dotted.split(".")
@@ -194,17 +212,46 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip(), _yaml(raw) if raw.strip() else ""
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds, directly or as the items of a list (`reward.functions`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation) or (None,)
+        return _section_of(item)
+    return None
 
 
 def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key; list items are addressed without their index (`reward.functions.weight`)."""
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _known_keys(ann, prefix + name + ".")
+        section = _section_of(field.annotation)
+        if section is not None:
+            keys += _known_keys(section, prefix + name + ".")
     return keys
+
+
+def _suggest(where: str, known: list[str]) -> tuple[str, list[str]]:
+    """(' Did you mean x.y?' or '', the keys allowed beside `where`) for an unknown dotted key."""
+    parts = where.split(".")
+    generic = ".".join(p for p in parts if not p.isdigit())  # list indices dropped, as in `known`
+    parent, _, leaf = generic.rpartition(".")
+    options = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+    real_parent = where.rpartition(".")[0]
+    # The exact key in another section first (`data.mini_batch_size` -> actor.mini_batch_size),
+    # then a near-typo of a key allowed here, then a near-typo of any key.
+    elsewhere = [k for k in known if k.rpartition(".")[2] == leaf and k != generic]
+    if not elsewhere:
+        close = difflib.get_close_matches(leaf, options, n=1)
+        if close:
+            return f" Did you mean {real_parent + '.' if real_parent else ''}{close[0]}?", options
+        elsewhere = difflib.get_close_matches(generic, known, n=1)
+    return (f" Did you mean {elsewhere[0]}?" if elsewhere else ""), options
 
 
 def _explain(err: ValidationError) -> str:
@@ -213,11 +260,10 @@ def _explain(err: ValidationError) -> str:
     for item in err.errors():
         where = ".".join(str(p) for p in item["loc"]) or "(top level)"
         if item["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(where, known, n=1)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            parent = where.rpartition(".")[0]
-            options = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+            hint, options = _suggest(where, known)
             lines.append(f"{where}: unknown key.{hint} Keys allowed here: {', '.join(options)}.")
+        elif item["type"] == "missing" and any(isinstance(p, int) for p in item["loc"]):
+            lines.append(f"{where}: required (an item is missing from a list or pair).")
         elif item["type"] == "missing":
             lines.append(f"{where}: required, add it to the YAML or pass {where}=... on the command line.")
         else:
@@ -234,7 +280,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = _yaml(path.read_text()) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")
     for text in overrides:
