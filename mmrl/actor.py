@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,32 +27,70 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy."""
     device = next(model.parameters()).device
-    prompts = [batch.prompts[i] for i in batch["prompt_index"].tolist()]
+    rows = batch["prompt_index"].tolist()
+    prompts = [batch.prompts[i] for i in rows]
     prompt_ids, prompt_mask = left_pad([p.prompt_ids for p in prompts], pad_id)
     response = batch["response_ids"]
     input_ids = torch.cat([prompt_ids, response], dim=1)
     attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
     cfg = model.config
-    vision = vision_inputs(prompts)
     positions = mrope_position_ids(
         input_ids,
         attention,
-        vision.get("image_grid_thw"),
+        vision_inputs(prompts).get("image_grid_thw"),
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         spatial_merge_size=cfg.vision_config.spatial_merge_size,
     )
+    input_ids = input_ids.to(device)
+    embeds = model.model.get_input_embeddings()(input_ids)
+    image_embeds = _image_embeds(model, batch, rows, device)
+    if image_embeds is not None:
+        slots = (input_ids == cfg.image_token_id).unsqueeze(-1)
+        embeds = embeds.masked_scatter(slots, image_embeds.to(embeds.dtype))
     hidden = model.model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention.to(device),
-        position_ids=positions.to(device),
-        **{k: v.to(device) for k, v in vision.items()},
+        inputs_embeds=embeds, attention_mask=attention.to(device), position_ids=positions.to(device)
     ).last_hidden_state
     start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
     logits = model.lm_head(hidden[:, start : start + response.shape[1]]).float() / temperature
     logp = logprobs_from_logits(logits, response.to(device))
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logp, entropy
+
+
+def _image_embeds(model: Any, batch: Batch, rows: list[int], device: torch.device) -> torch.Tensor | None:
+    """Vision features for every row, encoding each distinct prompt's images once.
+
+    The n responses of a prompt share its images, so the vision tower runs once per prompt
+    instead of once per response; reusing the features also sums their gradients, which is
+    exactly what n separate encodings would give.
+    """
+    distinct = sorted({i for i in rows if batch.prompts[i].pixel_values is not None})
+    if not distinct:
+        return None
+    vision = vision_inputs([batch.prompts[i] for i in distinct])
+    features = model.model.get_image_features(
+        vision["pixel_values"].to(device), vision["image_grid_thw"].to(device)
+    ).pooler_output
+    per_prompt, cursor = {}, 0
+    for i in distinct:
+        count = len(batch.prompts[i].image_grid_thw)
+        per_prompt[i] = torch.cat(features[cursor : cursor + count])
+        cursor += count
+    return torch.cat([per_prompt[i] for i in rows if i in per_prompt])
+
+
+def lr_factor(update: int, cfg: ActorConfig, total: int) -> float:
+    """Linear warm-up, then constant or cosine decay to `min_lr_ratio` over `total` optimizer steps.
+
+    Decay matters most for small models trained at large rates: without it the policy keeps
+    moving after it has learned, and its entropy collapses."""
+    if update < cfg.warmup_steps:
+        return (update + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -66,7 +105,13 @@ class Actor:
     """Owns the policy's optimizer and runs the PPO-style update over a batch of rollouts."""
 
     def __init__(
-        self, model: Any, cfg: ActorConfig, pad_id: int, temperature: float, response_len: int
+        self,
+        model: Any,
+        cfg: ActorConfig,
+        pad_id: int,
+        temperature: float,
+        response_len: int,
+        total_updates: int,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -75,9 +120,8 @@ class Actor:
         self.response_len = response_len
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        warmup = max(cfg.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup)
+            self.optimizer, partial(lr_factor, cfg=cfg, total=total_updates)
         )
         self.policy_loss = get_policy_loss(cfg.policy_loss)
 
@@ -160,7 +204,7 @@ class Actor:
         entropy_value = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_value
-        stats = {"actor/pg_loss": float(pg_loss), "actor/entropy": float(entropy_value)}
+        stats = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_value.detach())}
         if "ref_logprobs" in micro:
             kl = agg_loss(
                 kl_penalty(logp, micro["ref_logprobs"].to(device), cfg.kl_loss_type),
@@ -169,7 +213,7 @@ class Actor:
                 **agg,
             )
             loss = loss + cfg.kl_loss_coef * kl
-            stats["actor/kl_loss"] = float(kl)
+            stats["actor/kl_loss"] = float(kl.detach())
         loss.backward()
         stats.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
         # Losses are already divided by mini-batch totals: scale them back to per-mini-batch values.

@@ -97,6 +97,8 @@ class ActorConfig(_Section):
     weight_decay: float = Field(1e-2, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr")
     max_grad_norm: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, gt=0)
     mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")

@@ -27,7 +27,7 @@ def run_quickstart(out: str, overrides: list[str]) -> int:
         build_tiny(model_dir, seed=0)
     if not (data_dir / "train.jsonl").exists():
         console.print(f"rendering the synthetic colour task in {data_dir}")
-        generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=56)
+        generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
     paths = [
         f"model.path={model_dir}",
         f"data.train_files={data_dir / 'train.jsonl'}",

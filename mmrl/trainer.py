@@ -65,8 +65,8 @@ class Trainer:
             if cfg.trainer.device != "auto"
             else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.processor = load_processor(cfg.model.path)
         self.model = load_policy(cfg.model.path, resolve_dtype(cfg.model.dtype, device), device)
+        self.processor = load_processor(cfg.model.path)
         if cfg.model.freeze_vision_tower:
             self.model.model.visual.requires_grad_(False)
         self.pad_id = self.processor.tokenizer.pad_token_id
@@ -83,7 +83,14 @@ class Trainer:
         )
         self.accuracy_key = reward_label(cfg.reward.functions[0].name)
         self.actor = Actor(
-            self.model, cfg.actor, self.pad_id, cfg.rollout.temperature or 1.0, cfg.rollout.max_new_tokens
+            self.model,
+            cfg.actor,
+            self.pad_id,
+            cfg.rollout.temperature or 1.0,
+            cfg.rollout.max_new_tokens,
+            total_updates=cfg.trainer.total_steps
+            * cfg.actor.ppo_epochs
+            * (cfg.data.train_batch_size // cfg.actor.mini_batch_size),
         )
         self.ref: Any = None
         self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -202,7 +209,8 @@ class Trainer:
             max_new_tokens=self.cfg.rollout.max_new_tokens,
         )
         per_key: dict[str, list[float]] = {}
-        with torch.random.fork_rng(devices=[]):
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
             for start in range(0, len(self.val_samples), self.cfg.data.val_batch_size):
                 chunk = self.val_samples[start : start + self.cfg.data.val_batch_size]
                 batch = self.engine.generate(chunk, params)

@@ -106,6 +106,11 @@ def smart_size(height: int, width: int, budget: PixelBudget) -> tuple[int, int]:
         scale = math.sqrt(budget.min_pixels / (height * width))
         h = math.ceil(height * scale / f) * f
         w = math.ceil(width * scale / f) * f
+        while h * w > budget.max_pixels:  # rounding up overshot a tight budget: shrink the long side
+            if h >= w:
+                h -= f
+            else:
+                w -= f
     return h, w
 
 

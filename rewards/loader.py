@@ -45,7 +45,7 @@ def load_reward_function(spec: str) -> RewardFn:
             f"reward file {path} not found (spec {spec!r}); relative paths are resolved against the "
             f"current directory, {Path.cwd()}"
         )
-    module = _import_file(path)
+    module = import_file(path)
     fn = getattr(module, name, None)
     if not callable(fn):
         defined = ", ".join(_functions_defined_in(module)) or "none"
@@ -53,21 +53,21 @@ def load_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-def _import_file(path: Path) -> ModuleType:
-    """Execute a reward file as a fresh module, registered in sys.modules so that dataclasses and pickling
+def import_file(path: Path) -> ModuleType:
+    """Execute a user file as a fresh module, registered in sys.modules so that dataclasses and pickling
     inside it work; the module name is unique per path so two `rewards.py` files never collide."""
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
     module_name = f"mmrl_reward_file_{digest}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"cannot import reward file {path}")
+        raise ImportError(f"cannot import {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[module_name]
-        raise ImportError(f"importing reward file {path} failed: {err!r}") from err
+        raise ImportError(f"importing {path} failed: {err!r}") from err
     return module
 
 

@@ -113,3 +113,10 @@ def test_load_image_bad_input_raises_image_error(tmp_path, bad) -> None:
 def test_marker_count_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="markers"):
         build_messages("<image><image> two?", 1)
+
+
+def test_tight_budget_never_exceeds_max_pixels() -> None:
+    tight = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
+    for w, h in [(40, 70), (70, 40), (13, 17), (56, 56), (100, 30)]:
+        rh, rw = smart_size(h, w, tight)
+        assert rh * rw <= tight.max_pixels and rh % 28 == 0 and rw % 28 == 0

@@ -6,12 +6,11 @@ named in the config as ``path/to/file.py:function`` and imported with `load_from
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from rewards.loader import import_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,19 +47,7 @@ def load_from_file(spec: str) -> Callable[..., Any]:
     path = Path(path_str).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"{spec!r}: no file at {path}")
-    # The path hash keeps two user files with the same stem from overwriting each other.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-    module_name = f"_mmrl_user_{path.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"{spec!r}: {path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
+    module = import_file(path)
     fn = getattr(module, fn_name, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
