@@ -11,21 +11,31 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from mmrl.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_penalty, logprobs_from_logits
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig
+from mmrl.models import autocast_for
 from mmrl.rollout.hf import left_pad, vision_inputs
 from processors import mrope_position_ids
 
 
 def forward_logprobs(
-    model: Any, batch: Batch, pad_id: int, temperature: float = 1.0, with_entropy: bool = False
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool | Literal["grad"] = False,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy."""
+    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
+
+    Entropy is returned without a graph: it is a metric, and an autograd graph over (B, T, V)
+    softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
+    `with_entropy="grad"`."""
     device = next(model.parameters()).device
     rows = batch["prompt_index"].tolist()
     prompts = [batch.prompts[i] for i in rows]
@@ -34,27 +44,37 @@ def forward_logprobs(
     input_ids = torch.cat([prompt_ids, response], dim=1)
     attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
     cfg = model.config
+    grids = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
     positions = mrope_position_ids(
         input_ids,
         attention,
-        vision_inputs(prompts).get("image_grid_thw"),
+        torch.cat(grids) if grids else None,
         image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id,
         spatial_merge_size=cfg.vision_config.spatial_merge_size,
     )
     input_ids = input_ids.to(device)
-    embeds = model.model.get_input_embeddings()(input_ids)
-    image_embeds = _image_embeds(model, batch, rows, device)
-    if image_embeds is not None:
-        slots = (input_ids == cfg.image_token_id).unsqueeze(-1)
-        embeds = embeds.masked_scatter(slots, image_embeds.to(embeds.dtype))
-    hidden = model.model(
-        inputs_embeds=embeds, attention_mask=attention.to(device), position_ids=positions.to(device)
-    ).last_hidden_state
-    start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
-    logits = model.lm_head(hidden[:, start : start + response.shape[1]]).float() / temperature
+    with autocast_for(model, compute_dtype):
+        embeds = model.model.get_input_embeddings()(input_ids)
+        image_embeds = _image_embeds(model, batch, rows, device)
+        if image_embeds is not None:
+            slots = (input_ids == cfg.image_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(slots, image_embeds.to(embeds.dtype))
+        hidden = model.model(
+            inputs_embeds=embeds,
+            attention_mask=attention.to(device),
+            position_ids=positions.to(device),
+            use_cache=False,
+        ).last_hidden_state
+        start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
+        logits = model.lm_head(hidden[:, start : start + response.shape[1]]).float() / temperature
     logp = logprobs_from_logits(logits, response.to(device))
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy == "grad":
+        entropy = entropy_from_logits(logits)
+    elif with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())
     return logp, entropy
 
 
@@ -112,12 +132,14 @@ class Actor:
         temperature: float,
         response_len: int,
         total_updates: int,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
         self.temperature = temperature
         self.response_len = response_len
+        self.compute_dtype = compute_dtype
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -137,7 +159,9 @@ class Actor:
         was_training = model.training
         model.eval()
         parts = [
-            forward_logprobs(model, mb, self.pad_id, self.temperature)[0].cpu()
+            forward_logprobs(model, mb, self.pad_id, self.temperature, compute_dtype=self.compute_dtype)[
+                0
+            ].cpu()
             for mb in batch.split(self.cfg.micro_batch_size)
         ]
         model.train(was_training)
@@ -171,16 +195,23 @@ class Actor:
                 else:  # a non-finite gradient never reaches the weights or the optimizer moments
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
+                sums["actor/lr"] = sums.get("actor/lr", 0.0) + self.scheduler.get_last_lr()[0]
                 self.scheduler.step()
                 sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + grad_norm
                 count += 1
         metrics = {k: v / count for k, v in sums.items()}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return UpdateStats(metrics=metrics, skipped_steps=skipped)
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
         cfg = self.cfg
-        logp, entropy = forward_logprobs(self.model, micro, self.pad_id, self.temperature, with_entropy=True)
+        logp, entropy = forward_logprobs(
+            self.model,
+            micro,
+            self.pad_id,
+            self.temperature,
+            with_entropy="grad" if cfg.entropy_coef else True,
+            compute_dtype=self.compute_dtype,
+        )
         device = logp.device
         mask = micro["response_mask"].to(device).float()
         old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logp.detach()

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, FileExistsError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         return 2
 

@@ -76,6 +76,13 @@ class SamplingConfig(_Section):
     top_k: int = Field(-1, description="-1 disables top-k")
 
 
+class ValSamplingConfig(SamplingConfig):
+    """Validation sampling: greedy, one answer per prompt, unless set otherwise."""
+
+    n: int = Field(1, gt=0)
+    temperature: float = Field(0.0, ge=0.0)
+
+
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = "hf"
     n: int = Field(5, gt=0, description="Responses per prompt (the GRPO group size)")
@@ -83,7 +90,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     max_new_tokens: int = Field(512, gt=0, description="Response length budget in tokens")
-    val: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
+    val: ValSamplingConfig = ValSamplingConfig()
 
 
 class AlgorithmConfig(_Section):
@@ -170,6 +177,18 @@ class Config(_Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"actor.mini_batch_size ({self.actor.mini_batch_size}); change one of them"
             )
+        if self.rollout.engine == "vllm":
+            raise ValueError(
+                "rollout.engine=vllm: the vLLM engine is not part of this release yet; use rollout.engine=hf"
+            )
+        for name, sampling in (("rollout", self.rollout), ("rollout.val", self.rollout.val)):
+            if sampling.n > 1 and sampling.temperature == 0:
+                raise ValueError(
+                    f"{name}.n={sampling.n} with {name}.temperature=0 samples the same greedy answer n times; "
+                    f"set {name}.temperature > 0 or {name}.n=1"
+                )
+        _check_registered("algorithm.adv_estimator", self.algorithm.adv_estimator, "ADVANTAGE_ESTIMATORS")
+        _check_registered("actor.policy_loss", self.actor.policy_loss, "POLICY_LOSSES")
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
@@ -196,6 +215,18 @@ _Loader.add_implicit_resolver(
 
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+
+
+def _check_registered(key: str, name: str, registry: str) -> None:
+    """Registered names and `path/to/file.py:function` specs pass; anything else fails at start."""
+    from mmrl import algorithms
+
+    known = getattr(algorithms, registry)
+    if ":" not in name and name not in known:
+        raise ValueError(
+            f"{key}={name!r} is not registered; choose one of {', '.join(sorted(known))}, "
+            "or name your own as path/to/file.py:function"
+        )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

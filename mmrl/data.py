@@ -70,7 +70,8 @@ def read_rows(files: list[str]) -> list[tuple[dict[str, Any], Path]]:
             with path.open(encoding="utf-8", errors="replace") as fh:
                 records = [_json_or_bad(line) for line in fh if line.strip()]
         elif path.suffix == ".json":
-            records = json.loads(path.read_text(encoding="utf-8"))
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+            records = [r if isinstance(r, dict) else {"__bad__": "row is not a JSON object"} for r in loaded]
         elif path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -165,7 +166,10 @@ class PromptDataset:
         except ValueError as err:
             raise SkipRow("image_marker_mismatch", str(err)) from None
         counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
-        ids = encode_prompt(self.tokenizer, messages, counts)
+        try:
+            ids = encode_prompt(self.tokenizer, messages, counts)
+        except ValueError as err:  # e.g. a literal image-pad token typed into the question
+            raise SkipRow("image_marker_mismatch", str(err)) from None
         if len(ids) > self.max_prompt_length:
             raise SkipRow(
                 "prompt_too_long", f"{len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}"
@@ -217,19 +221,20 @@ class PromptLoader:
     def next_batch(self) -> list[PromptSample]:
         batch: list[PromptSample] = []
         order = self._order()
-        tries = 0
+        failures = 0
         while len(batch) < self.batch_size:
             if self.position >= len(order):
                 self.epoch, self.position = self.epoch + 1, 0
                 order = self._order()
             sample = self.dataset.prepare(int(order[self.position]))
             self.position += 1
-            tries += 1
             if sample is not None:
                 batch.append(sample)
-            elif tries > 2 * len(self.dataset) + self.batch_size:
+                failures = 0
+            elif (failures := failures + 1) > len(self.dataset):
                 raise RuntimeError(
-                    f"no usable rows in the training set after {tries} tries; skipped: {dict(self.dataset.skipped)}"
+                    f"no usable rows in the training set: {failures} failed in a row; "
+                    f"skipped so far: {dict(self.dataset.skipped)}"
                 )
         return batch
 

@@ -8,7 +8,9 @@ checkpoint folder in the exact layout of a real `Qwen/Qwen2.5-VL-*` directory, s
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -174,6 +176,14 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision for forward passes. Trained parameters stay fp32, so AdamW steps of 1e-6
+    are not rounded away as they would be in bf16 weights; the matmuls run in `dtype`."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:

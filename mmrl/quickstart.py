@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def run_quickstart(out: str, overrides: list[str]) -> int:
         f"trainer.output_dir={root / 'run'}",
     ]
     cfg = load_config(CONFIG, paths + list(overrides))
+    if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh
+        shutil.rmtree(cfg.run_dir)
     start = time.perf_counter()
     Trainer(cfg, console=console).fit()
     wall = time.perf_counter() - start

@@ -7,7 +7,9 @@ import logging
 import random
 import resource
 import time
+from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from rich.progress import (
 
 from mmrl import checkpoint as ckpt
 from mmrl.actor import Actor
-from mmrl.algorithms import get_advantage_estimator
+from mmrl.algorithms import get_advantage_estimator, load_from_file
 from mmrl.batch import Batch
 from mmrl.config import Config, dump_config
 from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
@@ -57,6 +59,8 @@ class Trainer:
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = cfg.run_dir
+        if not resume:
+            refuse_to_overwrite(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         seed_everything(cfg.trainer.seed)
@@ -65,7 +69,9 @@ class Trainer:
             if cfg.trainer.device != "auto"
             else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.model = load_policy(cfg.model.path, resolve_dtype(cfg.model.dtype, device), device)
+        # Trained weights stay fp32; `model.dtype` sets the compute precision (autocast).
+        self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
+        self.model = load_policy(cfg.model.path, torch.float32, device)
         self.processor = load_processor(cfg.model.path)
         if cfg.model.freeze_vision_tower:
             self.model.model.visual.requires_grad_(False)
@@ -74,7 +80,7 @@ class Trainer:
         self.loader = PromptLoader(
             self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
         )
-        self.engine = make_engine(cfg.rollout.engine, self.model, self.processor)
+        self.engine = make_engine(cfg.rollout.engine, self.model, self.processor, self.compute_dtype)
         self.rewards = RewardManager(
             [f.model_dump() for f in cfg.reward.functions],
             timeout_s=cfg.reward.timeout_s,
@@ -91,9 +97,10 @@ class Trainer:
             total_updates=cfg.trainer.total_steps
             * cfg.actor.ppo_epochs
             * (cfg.data.train_batch_size // cfg.actor.mini_batch_size),
+            compute_dtype=self.compute_dtype,
         )
         self.ref: Any = None
-        self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.advantage = resolve_advantage_estimator(cfg.algorithm.adv_estimator)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, self.console)
         self.step = 0
         self.resumed_from: Path | None = None
@@ -106,7 +113,7 @@ class Trainer:
         if self.resumed_from is None and self.cfg.warmup.steps:
             self._warmup()
         self.ref = self._reference()
-        if cfg.val_before_train and self.step == 0:
+        if cfg.val_before_train and self.step == 0 and self.val_samples:
             self.logger.log(0, self.validate())
         with self._progress() as bar:
             task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")
@@ -161,19 +168,9 @@ class Trainer:
         )
 
     def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        inputs = []
-        for index, text in zip(batch["prompt_index"].tolist(), batch["response_text"], strict=True):
-            sample: PromptSample = batch.prompts[index]
-            inputs.append(
-                RewardInput(
-                    response=text,
-                    ground_truth=sample.ground_truth,
-                    images=sample.images,
-                    image_sizes=sample.image_sizes,
-                    prompt=sample.prompt_text,
-                    extra=sample.extra,
-                )
-            )
+        return self.score_inputs(reward_inputs(batch), prefix)
+
+    def score_inputs(self, inputs: list[RewardInput], prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
         result = self.rewards.score(inputs)
         scores = torch.tensor(result.overall, dtype=torch.float32)
         metrics: dict[str, Any] = {
@@ -189,12 +186,18 @@ class Trainer:
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(scores)), last] = scores  # outcome reward on the final token
+        extra = {}
+        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
+            greedy = self.engine.generate(batch.prompts, replace(self.train_sampling, n=1, temperature=0.0))
+            baseline, _ = self.score(greedy, prefix="remax")
+            extra["baseline_scores"] = baseline[batch["prompt_index"]]
         advantages, _ = self.advantage(
             token_rewards,
             mask,
             batch["prompt_index"],
             norm_adv_by_std=self.cfg.algorithm.norm_adv_by_std,
             gamma=self.cfg.algorithm.gamma,
+            **extra,
         )
         return advantages
 
@@ -208,18 +211,17 @@ class Trainer:
             top_k=v.top_k,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
         )
-        per_key: dict[str, list[float]] = {}
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        if not self.val_samples:
+            return {}
+        inputs: list[RewardInput] = []
+        with torch.random.fork_rng(devices=_rng_devices()):
             for start in range(0, len(self.val_samples), self.cfg.data.val_batch_size):
                 chunk = self.val_samples[start : start + self.cfg.data.val_batch_size]
-                batch = self.engine.generate(chunk, params)
-                _, metrics = self.score(batch, prefix="val")
-                for key, value in metrics.items():
-                    per_key.setdefault(key, []).append((value, len(batch)))
-        merged = {k: sum(v * n for v, n in pairs) / sum(n for _, n in pairs) for k, pairs in per_key.items()}
-        merged["val/accuracy"] = merged.get(f"val/{self.accuracy_key}", merged["val/mean"])
-        return merged
+                inputs += reward_inputs(self.engine.generate(chunk, params))
+        _, metrics = self.score_inputs(inputs, prefix="val")
+        key = f"val/{self.accuracy_key}"
+        metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
+        return metrics
 
     def save(self) -> Path:
         state = {
@@ -285,7 +287,9 @@ class Trainer:
         return train, val
 
     def _warmup(self) -> None:
+        counted = Counter(self.train_set.skipped)
         samples = self.train_set.prepare_all(limit=512)
+        self.train_set.skipped = counted  # rows the warm-up skipped are counted when training reaches them
         losses = format_warmup(
             self.model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
         )
@@ -299,12 +303,11 @@ class Trainer:
         if not (self.cfg.actor.use_kl_loss and self.cfg.actor.kl_loss_coef > 0):
             return None
         if self.resumed_from is None:
-            return copy.deepcopy(self.model).eval().requires_grad_(False)
+            return copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         start = self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
         device = next(self.model.parameters()).device
-        return (
-            load_policy(start, next(self.model.parameters()).dtype, str(device)).eval().requires_grad_(False)
-        )
+        with torch.random.fork_rng(devices=_rng_devices()):  # loading must not shift the training RNG
+            return load_policy(start, self.compute_dtype, str(device)).eval().requires_grad_(False)
 
     def _progress(self) -> Progress:
         return Progress(
@@ -317,6 +320,43 @@ class Trainer:
             console=self.console,
             disable=not self.cfg.trainer.progress,
         )
+
+
+def refuse_to_overwrite(run_dir: Path) -> None:
+    """A fresh run must not mix its metrics and checkpoints with an earlier run's."""
+    leftovers = [p for p in (run_dir / "metrics.jsonl", run_dir / "checkpoints") if p.exists()]
+    if leftovers:
+        raise FileExistsError(
+            f"{run_dir} already holds an earlier run ({', '.join(p.name for p in leftovers)}). "
+            "Pass --resume to continue it, or set trainer.output_dir / trainer.experiment_name to a new folder."
+        )
+
+
+def resolve_advantage_estimator(name: str) -> Any:
+    """A registered estimator, or a user's own named as path/to/file.py:function."""
+    return load_from_file(name) if ":" in name else get_advantage_estimator(name)
+
+
+def reward_inputs(batch: Batch) -> list[RewardInput]:
+    """What each response's reward functions see: the text, the answer, the images and the row."""
+    inputs = []
+    for index, text in zip(batch["prompt_index"].tolist(), batch["response_text"], strict=True):
+        sample: PromptSample = batch.prompts[index]
+        inputs.append(
+            RewardInput(
+                response=text,
+                ground_truth=sample.ground_truth,
+                images=sample.images,
+                image_sizes=sample.image_sizes,
+                prompt=sample.prompt_text,
+                extra=sample.extra,
+            )
+        )
+    return inputs
+
+
+def _rng_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
 class _Timer:

@@ -57,7 +57,7 @@ def load_image(source: Any, base_dir: str | Path | None = None) -> Image.Image:
         return _to_rgb(image)
     except ImageError:
         raise
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         name = source if isinstance(source, (str, Path)) else f"<{type(source).__name__}>"
         raise ImageError(f"cannot read image {name}: {err}") from err
 

@@ -36,7 +36,8 @@ def test_quickstart_yaml_loads_with_its_values() -> None:
     assert isinstance(cfg, Config)
     assert cfg.model.dtype == "float32"
     assert cfg.data.train_files == ["runs/quickstart/data/train.jsonl"]  # a single string becomes a list
-    assert cfg.data.min_pixels == cfg.data.max_pixels == 3136
+    assert cfg.data.min_pixels == cfg.data.max_pixels == 112 * 112
+    assert cfg.actor.lr_schedule == "cosine"
     assert cfg.rollout.n == 8
     assert cfg.actor.lr == pytest.approx(2.0e-3)
     assert [(f.name, f.weight) for f in cfg.reward.functions] == [
@@ -223,3 +224,23 @@ def test_cli_config_show_unknown_key_exits_2(capsys: pytest.CaptureFixture[str])
     assert "actor.lrr" in captured.err
     assert "actor.lr" in captured.err.replace("actor.lrr", "")
     assert captured.out == ""
+
+
+def test_greedy_sampling_with_several_responses_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.val\.n=4"):
+        load_config(QUICKSTART, ["rollout.val.n=4"])
+    with pytest.raises(ConfigError, match=r"rollout\.temperature"):
+        load_config(QUICKSTART, ["rollout.temperature=0"])
+
+
+def test_unregistered_algorithm_names_fail_at_start_but_file_specs_pass() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator='grpoo'.*grpo"):
+        load_config(QUICKSTART, ["algorithm.adv_estimator=grpoo"])
+    with pytest.raises(ConfigError, match=r"actor\.policy_loss"):
+        load_config(QUICKSTART, ["actor.policy_loss=nope"])
+    assert load_config(QUICKSTART, ["algorithm.adv_estimator=my.py:fn"]).algorithm.adv_estimator == "my.py:fn"
+
+
+def test_vllm_engine_is_refused_until_it_exists() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.engine=hf"):
+        load_config(QUICKSTART, ["rollout.engine=vllm"])

@@ -41,6 +41,9 @@ def _overrides(env: dict[str, Path], out: Path, steps: int) -> list[str]:
         f"trainer.output_dir={out}",
         f"trainer.total_steps={steps}",
         "trainer.save_every=3",
+        # The run is stopped by lowering total_steps, which would reshape a cosine schedule (it spans
+        # total_steps by design); a constant schedule keeps the two runs comparable.
+        "actor.lr_schedule=constant",
         "trainer.val_every=0",
         "trainer.val_before_train=false",
         "warmup.steps=2",

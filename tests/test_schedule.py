@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -23,5 +24,5 @@ def test_cosine_decays_from_one_to_the_floor() -> None:
     assert lr_factor(12, cfg, total=12) == pytest.approx(0.1)
     assert lr_factor(50, cfg, total=12) == pytest.approx(0.1)  # past the end it stays at the floor
     values = [lr_factor(u, cfg, total=12) for u in range(2, 13)]
-    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(values))
     assert not math.isclose(values[1], values[0])

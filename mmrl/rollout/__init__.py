@@ -6,10 +6,10 @@ from mmrl.rollout.hf import HFEngine
 __all__ = ["HFEngine", "RolloutEngine", "SamplingParams", "make_engine"]
 
 
-def make_engine(kind: str, model, processor) -> RolloutEngine:
+def make_engine(kind: str, model, processor, compute_dtype) -> RolloutEngine:
     """The configured engine; only `hf` exists until the vLLM engine lands."""
     if kind == "hf":
-        return HFEngine(model, processor)
+        return HFEngine(model, processor, compute_dtype)
     raise ValueError(
         f"rollout.engine={kind!r} is not available in this build; use rollout.engine=hf "
         "(the vLLM engine needs `pip install mmrl[vllm]`)"

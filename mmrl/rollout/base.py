@@ -19,6 +19,7 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: bool = False  # also return each sampled token's log-prob (costs memory on the HF engine)
 
     @property
     def greedy(self) -> bool:
@@ -30,8 +31,9 @@ class RolloutEngine(Protocol):
 
     The returned batch has `len(prompts) * n` rows, the n responses of a prompt adjacent, and:
     tensors `prompt_index` (N,), `response_ids` (N, T) right-padded, `response_mask` (N, T),
-    `rollout_logprobs` (N, T) of the sampled tokens under softmax(logits / temperature),
-    `truncated` (N,) bool (no stop token within max_new_tokens); list `response_text`.
+    `truncated` (N,) bool (no stop token within max_new_tokens); list `response_text`; and,
+    when `params.logprobs`, `rollout_logprobs` (N, T) of the sampled tokens under
+    softmax(logits / temperature).
     """
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch: ...

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from mmrl.algorithms import logprobs_from_logits
 from mmrl.batch import Batch
 from mmrl.data import PromptSample
+from mmrl.models import autocast_for
 from mmrl.rollout.base import SamplingParams
 
 
@@ -37,8 +39,9 @@ def vision_inputs(prompts: list[PromptSample]) -> dict[str, torch.Tensor]:
 class HFEngine:
     """`model.generate` over left-padded prompts; placeholders can never be sampled."""
 
-    def __init__(self, model: Any, processor: Any) -> None:
+    def __init__(self, model: Any, processor: Any, compute_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
+        self.compute_dtype = compute_dtype
         self.tokenizer = processor.tokenizer
         cfg = model.config
         self.blocked = [
@@ -59,57 +62,67 @@ class HFEngine:
         mm_types = (ids == self.model.config.image_token_id).int()
         extra = {k: v.to(device) for k, v in vision_inputs(prompts).items()}
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
+        was_training = self.model.training
+        self.model.eval()
+        with autocast_for(self.model, self.compute_dtype):
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                mm_token_type_ids=mm_types.to(device),
+                **extra,
+                generation_config=self._generation_config(params, stop),
+            )
+        self.model.train(was_training)
+        response = out.sequences[:, ids.shape[1] :]
+        is_stop = torch.isin(response, torch.tensor(stop, device=response.device))
+        # Valid tokens run up to and including the first stop token.
+        response_mask = ((is_stop.cumsum(dim=1) - is_stop.long()) == 0).long()
+        tensors = {
+            "prompt_index": torch.arange(len(prompts)).repeat_interleave(params.n),
+            "response_ids": response.masked_fill(response_mask == 0, self.tokenizer.pad_token_id).cpu(),
+            "response_mask": response_mask.cpu(),
+            "truncated": (~is_stop.any(dim=1)).cpu(),
+        }
+        if params.logprobs:
+            scale = 1.0 if params.greedy else params.temperature
+            steps = [
+                logprobs_from_logits(step.float().unsqueeze(1) / scale, response[:, t : t + 1])
+                for t, step in enumerate(out.logits)
+            ]
+            tensors["rollout_logprobs"] = (torch.cat(steps, dim=1) * response_mask).cpu()
+        texts = self.tokenizer.batch_decode(
+            [
+                r[m.bool()].tolist()
+                for r, m in zip(tensors["response_ids"], tensors["response_mask"], strict=True)
+            ],
+            skip_special_tokens=True,
+        )
+        batch = Batch(tensors=tensors, prompts=prompts)
+        batch.set(response_text=texts)
+        return batch
+
+    def _generation_config(self, params: SamplingParams, stop: list[int]) -> GenerationConfig:
+        """Built from scratch, so no checkpoint default (repetition penalty, min length, ...) bends
+        the sampling distribution away from the softmax(logits / T) that training assumes."""
         sampling: dict[str, Any] = {"do_sample": False}
         if not params.greedy:
+            top_k = params.top_k if params.top_k > 0 else 0
             sampling = {
                 "do_sample": True,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
-                "top_k": params.top_k if params.top_k > 0 else 0,
+                "top_k": top_k,
             }
-        was_training = self.model.training
-        self.model.eval()
-        out = self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            mm_token_type_ids=mm_types.to(device),
-            **extra,
+        return GenerationConfig(
             **sampling,
             max_new_tokens=params.max_new_tokens,
             num_return_sequences=params.n,
             suppress_tokens=self.blocked,
             eos_token_id=stop,
             pad_token_id=self.tokenizer.pad_token_id,
-            output_logits=True,
+            output_logits=params.logprobs,
             return_dict_in_generate=True,
         )
-        self.model.train(was_training)
-        response = out.sequences[:, ids.shape[1] :].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()
-        scale = params.temperature if not params.greedy else 1.0
-        logprobs = logprobs_from_logits(logits / scale, response)
-        is_stop = torch.isin(response, torch.tensor(stop))
-        # Valid tokens run up to and including the first stop token.
-        before_stop = (is_stop.cumsum(dim=1) - is_stop.long()) == 0
-        response_mask = before_stop.long()
-        truncated = ~is_stop.any(dim=1)
-        response = response.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
-        texts = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(response, response_mask, strict=True)],
-            skip_special_tokens=True,
-        )
-        batch = Batch(
-            tensors={
-                "prompt_index": torch.arange(len(prompts)).repeat_interleave(params.n),
-                "response_ids": response,
-                "response_mask": response_mask,
-                "rollout_logprobs": logprobs * response_mask,
-                "truncated": truncated,
-            },
-            prompts=prompts,
-        )
-        batch.set(response_text=texts)
-        return batch
 
     def sync_weights(self) -> None:
         """Nothing to copy: this engine generates with the training model object itself."""
