@@ -39,7 +39,7 @@ def test_quickstart_yaml_loads_with_its_values() -> None:
     assert cfg.data.min_pixels == cfg.data.max_pixels == 112 * 112
     assert cfg.actor.lr_schedule == "cosine"
     assert cfg.rollout.n == 8
-    assert cfg.actor.lr == pytest.approx(2.0e-3)
+    assert cfg.actor.lr == pytest.approx(1.0e-3)
     assert [(f.name, f.weight) for f in cfg.reward.functions] == [
         ("answer_match", 0.9),
         ("format_answer", 0.1),
