@@ -60,7 +60,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def plot_reward_curve(metrics_path: Path, out: Path) -> Path:
+def plot_reward_curve(metrics_path: Path, out: Path, title: str = "") -> Path:
     """reward_curve.png: training reward per step and validation accuracy where measured."""
     import matplotlib
 
@@ -78,7 +78,7 @@ def plot_reward_curve(metrics_path: Path, out: Path) -> Path:
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title(metrics_path.parent.name)
+    ax.set_title(title or metrics_path.parent.name)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -126,7 +126,9 @@ class Trainer:
                 if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps:
                     self.save()
                 bar.update(task, completed=self.step, info=_progress_info(metrics))
-        plot_reward_curve(self.logger.jsonl, self.run_dir / "reward_curve.png")
+        plot_reward_curve(
+            self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
+        )
         self.logger.close()
         self.rewards.close()
         return {"run_dir": str(self.run_dir), "steps": self.step}

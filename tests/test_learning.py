@@ -23,8 +23,7 @@ def test_quickstart_recipe_learns_colour_from_pixels(tmp_path, tiny_model_dir) -
             f"data.train_files={data / 'train.jsonl'}",
             f"data.val_files={data / 'val.jsonl'}",
             f"trainer.output_dir={run}",
-            "trainer.total_steps=120",
-            "trainer.val_every=120",
+            "trainer.val_every=100",  # the recipe's own 200 steps; the breakthrough comes between 75 and 125
             "trainer.save_every=0",
             "trainer.progress=false",
             "trainer.loggers=[jsonl]",
@@ -33,7 +32,7 @@ def test_quickstart_recipe_learns_colour_from_pixels(tmp_path, tiny_model_dir) -
     assert code == 0
     val = [(r["step"], r["val/accuracy"]) for r in read_metrics(run / "metrics.jsonl") if "val/accuracy" in r]
     (first_step, first), (last_step, last) = val[0], val[-1]
-    assert (first_step, last_step) == (0, 120)
+    assert (first_step, last_step) == (0, 200)
     assert first < 0.35, f"the warm-up alone should leave accuracy near chance (1/6), got {first}"
     assert last - first >= 0.3, f"validation accuracy went {first:.3f} -> {last:.3f}"
     assert (run / "reward_curve.png").stat().st_size > 0

@@ -59,7 +59,10 @@ def test_batches_mixing_text_only_and_image_rows_train_without_validation(tmp_pa
     data = _mixed_dataset(tmp_path / "data")
     reward = tmp_path / "length_reward.py"  # varies between responses, so advantages are non-zero
     reward.write_text("def by_length(sample):\n    return (len(sample.response) % 5) / 4\n")
-    assert _train(tiny_model_dir, data, tmp_path / "run", f"reward.functions=[{{name: {reward}:by_length}}]") == 0
+    assert (
+        _train(tiny_model_dir, data, tmp_path / "run", f"reward.functions=[{{name: {reward}:by_length}}]")
+        == 0
+    )
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(len(r["data/rows"]) == 4 for r in records)
