@@ -119,24 +119,32 @@ class PromptDataset:
         self.image_dir = image_dir
         self.system_prompt = system_prompt
         self.template = Template(format_prompt) if format_prompt else None
-        self.skipped: Counter[str] = Counter()
+        self.bad_rows: dict[int, str] = {}  # row index -> skip reason; each bad row counts once
+
+    @property
+    def skipped(self) -> Counter[str]:
+        """How many distinct rows were skipped, by reason."""
+        return Counter(self.bad_rows.values())
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def prepare(self, index: int) -> PromptSample | None:
-        """The sample for row `index`, or None (counted and logged once per reason) if unusable."""
+        """The sample for row `index`, or None if unusable: recorded once, and logged for the
+        first row of each reason; a known-bad row is not read again."""
+        if index in self.bad_rows:
+            return None
         try:
             return self._prepare(index)
         except SkipRow as skip:
-            if not self.skipped[skip.reason]:
+            if skip.reason not in self.bad_rows.values():
                 log.warning(
                     "skipping row %d (%s): %s; further rows like it are only counted",
                     index,
                     skip.reason,
                     skip,
                 )
-            self.skipped[skip.reason] += 1
+            self.bad_rows[index] = skip.reason
             return None
 
     def _prepare(self, index: int) -> PromptSample:

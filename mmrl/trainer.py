@@ -7,7 +7,6 @@ import logging
 import random
 import resource
 import time
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -231,7 +230,7 @@ class Trainer:
             "optimizer": self.actor.optimizer.state_dict(),
             "scheduler": self.actor.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
-            "skipped": dict(self.train_set.skipped),
+            "bad_rows": dict(self.train_set.bad_rows),
             "rng": ckpt.rng_state(),
         }
         return ckpt.save_checkpoint(
@@ -255,7 +254,7 @@ class Trainer:
         self.actor.optimizer.load_state_dict(state["optimizer"])
         self.actor.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
-        self.train_set.skipped.update(state["skipped"])
+        self.train_set.bad_rows = dict(state["bad_rows"])
         ckpt.set_rng_state(state["rng"])
         self.step = state["step"]
         self.resumed_from = folder
@@ -289,9 +288,7 @@ class Trainer:
         return train, val
 
     def _warmup(self) -> None:
-        counted = Counter(self.train_set.skipped)
         samples = self.train_set.prepare_all(limit=512)
-        self.train_set.skipped = counted  # rows the warm-up skipped are counted when training reaches them
         losses = format_warmup(
             self.model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
         )

@@ -70,6 +70,27 @@ def test_batches_mixing_text_only_and_image_rows_train_without_validation(tmp_pa
     assert all(r["actor/grad_norm"] > 0 for r in records)
 
 
+def test_bad_rows_are_skipped_and_counted_while_the_run_goes_on(tmp_path, tiny_model_dir) -> None:
+    data = _mixed_dataset(tmp_path / "data")
+    (data.parent / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
+    bad = [
+        {"problem": "<image>What colour?", "answer": "red", "images": ["corrupt.png"]},
+        {"problem": "<image>What colour?", "answer": "red", "images": ["missing.png"]},
+        {"problem": "<image>What colour?", "images": ["im0.png"]},
+        {"problem": "How many? " * 200, "answer": "one"},
+    ]
+    with data.open("a") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in bad)
+    # 12 rows, 4 bad: three steps of 4 prompts cover every row at least once.
+    assert _train(tiny_model_dir, data, tmp_path / "run", "trainer.total_steps=3") == 0
+    last = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert last["data/skipped/bad_image"] == 2
+    assert last["data/skipped/missing_answer"] == 1
+    assert last["data/skipped/prompt_too_long"] == 1
+    used = {row for r in read_metrics(tmp_path / "run" / "metrics.jsonl") for row in r["data/rows"]}
+    assert used.isdisjoint({8, 9, 10, 11})  # the bad rows never reach a rollout
+
+
 def test_fresh_run_refuses_a_folder_holding_an_earlier_run(tmp_path, tiny_model_dir, capsys) -> None:
     data = _mixed_dataset(tmp_path / "data")
     assert _train(tiny_model_dir, data, tmp_path / "run") == 0
