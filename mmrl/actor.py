@@ -179,8 +179,8 @@ class Actor:
             order = torch.randperm(len(batch))
             for start in range(0, len(batch), mini_rows):
                 mini = batch.select(order[start : start + mini_rows])
-                totals = {
-                    "num_tokens": float(mini["response_mask"].sum()),
+                totals = {  # at least 1 token: mask_truncated may leave a mini-batch with none
+                    "num_tokens": max(1.0, float(mini["response_mask"].sum())),
                     "num_seqs": float(len(mini)),
                     "horizon": self.response_len,
                 }
@@ -236,7 +236,7 @@ class Actor:
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_value
         stats = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_value.detach())}
-        if "ref_logprobs" in micro:
+        if cfg.use_kl_loss and "ref_logprobs" in micro:  # the reference may be loaded for the KL reward only
             kl = agg_loss(
                 kl_penalty(logp, micro["ref_logprobs"].to(device), cfg.kl_loss_type),
                 mask,

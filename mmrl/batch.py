@@ -49,3 +49,28 @@ class Batch:
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of at most `size` rows."""
         return [self.select(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
+
+def concat(batches: Sequence[Batch]) -> Batch:
+    """The rows of `batches` in order; prompt lists are joined and each `prompt_index` shifted to match.
+
+    Per-token columns of different widths (generation stops when its longest response does)
+    are right-padded with 0, which every consumer masks out with `response_mask`.
+    """
+    prompts: list[Any] = []
+    shifted = []
+    for batch in batches:
+        shifted.append(batch["prompt_index"] + len(prompts))
+        prompts += batch.prompts
+    first = batches[0]
+    tensors = {k: _cat_padded([b.tensors[k] for b in batches]) for k in first.tensors}
+    tensors["prompt_index"] = torch.cat(shifted)
+    lists = {k: [item for b in batches for item in b.lists[k]] for k in first.lists}
+    return Batch(tensors=tensors, lists=lists, prompts=prompts)
+
+
+def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    if parts[0].dim() < 2:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])

@@ -93,10 +93,41 @@ class RolloutConfig(_Section):
     val: ValSamplingConfig = ValSamplingConfig()
 
 
+KLEstimatorName = Literal[
+    "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"
+]  # the names in mmrl.algorithms.KL_ESTIMATORS
+
+
+class KLControlConfig(_Section):
+    """β for the KL reward penalty: fixed, or adapted towards `target_kl` (Ziegler et al. 2019)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0, description="β, or its starting value when adaptive")
+    target_kl: float = Field(0.1, gt=0, description="Adaptive only: the KL β steers towards")
+    horizon: int = Field(10000, gt=0, description="Adaptive only: samples over which β may change ~e-fold")
+
+
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
     gamma: float = 1.0
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal and sample more prompts"
+    )
+    max_num_gen_batches: int = Field(
+        4, gt=0, description="Dynamic sampling: prompt batches generated at most per step"
+    )
+    on_unfilled: Literal["fail", "continue"] = Field(
+        "continue", description="Dynamic sampling: after max_num_gen_batches, stop or train a partial batch"
+    )
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment over the last N tokens; 0 disables"
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    mask_truncated: bool = Field(False, description="Leave responses cut at max_new_tokens out of the loss")
+    use_kl_in_reward: bool = Field(False, description="Charge −β·KL(π_old ‖ π_ref) as a token reward")
+    kl_penalty: KLEstimatorName = "k1"
+    kl_ctrl: KLControlConfig = KLControlConfig()
 
 
 class ActorConfig(_Section):
@@ -119,7 +150,7 @@ class ActorConfig(_Section):
     ] = "token-mean"
     use_kl_loss: bool = True
     kl_loss_coef: float = Field(0.01, ge=0)
-    kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: KLEstimatorName = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)
 
 
@@ -189,6 +220,17 @@ class Config(_Section):
                 )
         _check_registered("algorithm.adv_estimator", self.algorithm.adv_estimator, "ADVANTAGE_ESTIMATORS")
         _check_registered("actor.policy_loss", self.actor.policy_loss, "POLICY_LOSSES")
+        algo = self.algorithm
+        if algo.dynamic_sampling and self.rollout.n == 1:
+            raise ValueError(
+                "algorithm.dynamic_sampling keeps only groups whose rewards differ, and a group of "
+                "rollout.n=1 never differs; set rollout.n >= 2 or algorithm.dynamic_sampling=false"
+            )
+        if algo.overlong_buffer_len > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer_len ({algo.overlong_buffer_len}) must not exceed "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens}); shorten the buffer"
+            )
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "

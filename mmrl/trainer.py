@@ -26,9 +26,18 @@ from rich.progress import (
 
 from mmrl import checkpoint as ckpt
 from mmrl.actor import Actor
-from mmrl.algorithms import get_advantage_estimator, load_from_file
-from mmrl.batch import Batch
-from mmrl.config import Config, dump_config
+from mmrl.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    get_advantage_estimator,
+    informative_groups,
+    kl_reward_penalty,
+    load_from_file,
+    overlong_penalty,
+)
+from mmrl.batch import Batch, concat
+from mmrl.config import Config, ConfigError, dump_config
 from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
 from mmrl.logger import MetricsLogger, plot_reward_curve
 from mmrl.models import load_policy, load_processor, resolve_dtype
@@ -49,6 +58,10 @@ def seed_everything(seed: int) -> None:
 def reward_label(name: str) -> str:
     """The metric name a reward function's score is logged under."""
     return name.rpartition(":")[2] if ":" in name else name
+
+
+class UnfilledBatchError(ConfigError):
+    """Dynamic sampling ran out of generation rounds with `algorithm.on_unfilled=fail`."""
 
 
 class Trainer:
@@ -100,6 +113,7 @@ class Trainer:
         )
         self.ref: Any = None
         self.advantage = resolve_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.kl_ctrl = make_kl_controller(cfg)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, self.console)
         self.step = 0
         self.resumed_from: Path | None = None
@@ -134,31 +148,85 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         timer = _Timer()
-        with timer("rollout"):
-            prompts = self.loader.next_batch()
-            batch = self.engine.generate(prompts, self.train_sampling)
-        with timer("reward"):
-            scores, metrics = self.score(batch, prefix="reward")
-        if self.actor.needs_old_logprobs(len(batch), self.cfg.rollout.n):
+        batch, metrics = self.rollouts(timer)
+        metrics.update(_data_metrics(batch, self.train_set.skipped, self.loader.epoch))
+        if not len(batch):  # dynamic sampling kept no group and on_unfilled=continue: nothing to learn
+            return metrics
+        algo = self.cfg.algorithm
+        if algo.use_kl_in_reward or self.actor.needs_old_logprobs(len(batch), self.cfg.rollout.n):
             with timer("old_logprobs"):
                 batch.set(old_logprobs=self.actor.logprobs(self.model, batch))
         if self.ref is not None:
             with timer("ref"):
                 batch.set(ref_logprobs=self.actor.logprobs(self.ref, batch))
         with timer("advantage"):
-            batch.set(advantages=self.advantages(batch, scores))
+            batch.set(advantages=self.advantages(batch, metrics))
+        metrics.update(_response_metrics(batch))
+        if algo.mask_truncated:  # after the advantages, so a truncated response still counts in its group
+            batch.set(response_mask=batch["response_mask"] * ~batch["truncated"][:, None])
         with timer("update"):
             stats = self.actor.update(batch, self.cfg.rollout.n)
         with timer("sync"):
             self.engine.sync_weights()
         metrics.update(stats.metrics)
-        metrics.update(_response_metrics(batch, prompts))
-        metrics.update(timer.metrics(tokens=_token_count(batch, prompts)))
+        metrics.update(timer.metrics(tokens=_token_count(batch)))
         metrics["actor/skipped_updates"] = stats.skipped_steps
-        metrics.update({f"data/skipped/{k}": v for k, v in self.train_set.skipped.items()})
-        metrics["data/epoch"] = self.loader.epoch
-        metrics["data/rows"] = [p.row_id for p in prompts]
         return metrics
+
+    def rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
+        """One scored prompt batch; with DAPO dynamic sampling, only groups whose rewards differ,
+        refilled from the loader until `train_batch_size` groups or `max_num_gen_batches` rounds.
+
+        Reward metrics describe the first round: an unbiased sample of the policy, comparable
+        with runs without dynamic sampling."""
+        algo, want = self.cfg.algorithm, self.cfg.data.train_batch_size
+        metrics: dict[str, Any] = {}
+        kept, filtered, groups = [], 0, 0
+        for _ in range(algo.max_num_gen_batches):
+            batch, round_metrics = self._scored_rollouts(timer)
+            metrics = metrics or round_metrics
+            if not algo.dynamic_sampling:
+                return batch, metrics
+            informative = informative_groups(batch["scores"], batch["prompt_index"])
+            kept.append(batch.select(informative.nonzero().squeeze(1)))
+            filtered += len(batch["prompt_index"][~informative].unique())
+            groups += len(kept[-1]["prompt_index"].unique())
+            if groups >= want:
+                break
+        if groups < want and algo.on_unfilled == "fail":
+            raise UnfilledBatchError(
+                f"step {self.step}: dynamic sampling found {groups} of data.train_batch_size={want} groups "
+                f"with differing rewards in algorithm.max_num_gen_batches={len(kept)} generation rounds. "
+                "Raise algorithm.max_num_gen_batches, set algorithm.on_unfilled=continue to train on a "
+                "partial batch, or use a reward that separates responses more finely."
+            )
+        merged = concat(kept)
+        chosen = merged["prompt_index"].unique()[:want]  # surplus groups of the last round are dropped
+        merged = merged.select(torch.isin(merged["prompt_index"], chosen).nonzero().squeeze(1))
+        metrics["dynamic_sampling/filtered_groups"] = filtered
+        metrics["dynamic_sampling/gen_rounds"] = len(kept)
+        metrics["dynamic_sampling/kept_groups"] = len(chosen)
+        metrics["dynamic_sampling/kept_rows"] = [merged.prompts[i].row_id for i in chosen.tolist()]
+        return merged, metrics
+
+    def _scored_rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
+        """Generate for the loader's next prompts and score them, overlong shaping included."""
+        with timer("rollout"):
+            batch = self.engine.generate(self.loader.next_batch(), self.train_sampling)
+        with timer("reward"):
+            scores, metrics = self.score(batch, prefix="reward")
+        algo = self.cfg.algorithm
+        if algo.overlong_buffer_len:
+            penalty = overlong_penalty(
+                batch["response_mask"].sum(dim=1),
+                self.cfg.rollout.max_new_tokens,
+                algo.overlong_buffer_len,
+                algo.overlong_penalty_factor,
+            )
+            scores = scores + penalty
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
+        batch.set(scores=scores)
+        return batch, metrics
 
     # ---------------------------------------------------------------- pieces
     @property
@@ -182,11 +250,24 @@ class Trainer:
         metrics.update({f"{prefix}/failures/{k}": v for k, v in result.failures.items()})
         return scores, metrics
 
-    def advantages(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+    def advantages(self, batch: Batch, metrics: dict[str, Any]) -> torch.Tensor:
+        """Token rewards (the score on the final token, minus β·KL if charged) to advantages."""
         mask = batch["response_mask"].float()
+        scores = batch["scores"]
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(scores)), last] = scores  # outcome reward on the final token
+        if self.cfg.algorithm.use_kl_in_reward:
+            kl_reward, kl = kl_reward_penalty(
+                batch["old_logprobs"],
+                batch["ref_logprobs"],
+                mask,
+                self.cfg.algorithm.kl_penalty,
+                self.kl_ctrl.value,
+            )
+            token_rewards = token_rewards + kl_reward
+            metrics.update({"kl_reward/kl": kl, "kl_reward/coef": self.kl_ctrl.value})
+            self.kl_ctrl.update(kl, n_steps=len(scores))
         extra = {}
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
             greedy = self.engine.generate(batch.prompts, replace(self.train_sampling, n=1, temperature=0.0))
@@ -232,6 +313,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "bad_rows": dict(self.train_set.bad_rows),
             "rng": ckpt.rng_state(),
+            "kl_coef": self.kl_ctrl.value,
         }
         return ckpt.save_checkpoint(
             self.run_dir / "checkpoints",
@@ -256,6 +338,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.train_set.bad_rows = dict(state["bad_rows"])
         ckpt.set_rng_state(state["rng"])
+        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
         self.step = state["step"]
         self.resumed_from = folder
         self.console.print(f"resumed from {folder} at step {self.step}")
@@ -299,7 +382,8 @@ class Trainer:
 
     def _reference(self) -> Any:
         """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off."""
-        if not (self.cfg.actor.use_kl_loss and self.cfg.actor.kl_loss_coef > 0):
+        kl_loss = self.cfg.actor.use_kl_loss and self.cfg.actor.kl_loss_coef > 0
+        if not (kl_loss or self.cfg.algorithm.use_kl_in_reward):
             return None
         if self.resumed_from is None:
             return copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
@@ -329,6 +413,19 @@ def refuse_to_overwrite(run_dir: Path) -> None:
             f"{run_dir} already holds an earlier run ({', '.join(p.name for p in leftovers)}). "
             "Pass --resume to continue it, or set trainer.output_dir / trainer.experiment_name to a new folder."
         )
+
+
+def make_kl_controller(cfg: Config) -> KLController:
+    """β for the KL reward penalty; warns when KL is also a loss term, as both then pull to π_ref."""
+    kl = cfg.algorithm.kl_ctrl
+    if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:
+        log.warning(
+            "algorithm.use_kl_in_reward and actor.use_kl_loss are both on: KL to the reference is "
+            "penalised twice (in the reward and in the loss); set actor.use_kl_loss=false unless intended"
+        )
+    if kl.type == "adaptive":
+        return AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
+    return FixedKLController(kl.kl_coef)
 
 
 def resolve_advantage_estimator(name: str) -> Any:
@@ -380,19 +477,27 @@ class _Timer:
         return out
 
 
-def _token_count(batch: Batch, prompts: list[PromptSample]) -> int:
-    prompt_tokens = sum(len(prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
+def _token_count(batch: Batch) -> int:
+    prompt_tokens = sum(len(batch.prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
     return prompt_tokens + int(batch["response_mask"].sum())
 
 
-def _response_metrics(batch: Batch, prompts: list[PromptSample]) -> dict[str, float]:
+def _response_metrics(batch: Batch) -> dict[str, float]:
     lengths = batch["response_mask"].sum(dim=1).float()
     return {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_frac": float(batch["truncated"].float().mean()),
-        "prompt_length/mean": float(np.mean([len(p.prompt_ids) for p in prompts])),
+        "prompt_length/mean": float(np.mean([len(p.prompt_ids) for p in batch.prompts])),
     }
+
+
+def _data_metrics(batch: Batch, skipped: dict[str, int], epoch: int) -> dict[str, Any]:
+    """Where the loader stands; `data/rows` lists every prompt drawn this step, filtered or not."""
+    metrics: dict[str, Any] = {f"data/skipped/{k}": v for k, v in skipped.items()}
+    metrics["data/epoch"] = epoch
+    metrics["data/rows"] = [p.row_id for p in batch.prompts]
+    return metrics
 
 
 def _progress_info(metrics: dict[str, Any]) -> str:

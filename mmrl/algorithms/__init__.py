@@ -16,7 +16,14 @@ from mmrl.algorithms.advantages import (
     rloo,
 )
 from mmrl.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
+from mmrl.algorithms.filtering import informative_groups
 from mmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from mmrl.algorithms.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    kl_reward_penalty,
+)
 from mmrl.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from mmrl.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from mmrl.algorithms.policy_loss import (
@@ -28,12 +35,16 @@ from mmrl.algorithms.policy_loss import (
     register_policy_loss,
 )
 from mmrl.algorithms.registry import load_from_file
+from mmrl.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
     "agg_loss",
     "drgrpo",
     "dual_clip",
@@ -42,12 +53,15 @@ __all__ = [
     "get_policy_loss",
     "grpo",
     "gspo",
+    "informative_groups",
     "kl_penalty",
+    "kl_reward_penalty",
     "load_from_file",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "overlong_penalty",
     "ppo_clip",
     "register_advantage_estimator",
     "register_kl_estimator",
