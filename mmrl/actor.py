@@ -15,7 +15,13 @@ from typing import Any, Literal
 
 import torch
 
-from mmrl.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_penalty, logprobs_from_logits
+from mmrl.algorithms import (
+    agg_loss,
+    entropy_from_logits,
+    get_policy_loss,
+    kl_penalty,
+    logprobs_from_logits,
+)
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig
 from mmrl.models import autocast_for

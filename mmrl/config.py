@@ -189,6 +189,7 @@ class TrainerConfig(_Section):
     seed: int = 1
     loggers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
     progress: bool = True
+    gallery_samples: int = Field(32, ge=0, description="Validation samples per gallery page; 0 writes none")
 
 
 class Config(_Section):

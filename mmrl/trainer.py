@@ -33,18 +33,18 @@ from mmrl.algorithms import (
     get_advantage_estimator,
     informative_groups,
     kl_reward_penalty,
-    load_from_file,
     overlong_penalty,
 )
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
+from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, plot_reward_curve
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, make_engine
 from mmrl.warmup import format_warmup
 from processors import PixelBudget
-from rewards import RewardInput, RewardManager
+from rewards import RewardInput, RewardManager, RewardResult
 
 log = logging.getLogger("mmrl.trainer")
 
@@ -112,7 +112,7 @@ class Trainer:
             compute_dtype=self.compute_dtype,
         )
         self.ref: Any = None
-        self.advantage = resolve_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.kl_ctrl = make_kl_controller(cfg)
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, self.console)
         self.step = 0
@@ -237,18 +237,8 @@ class Trainer:
         )
 
     def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.score_inputs(reward_inputs(batch), prefix)
-
-    def score_inputs(self, inputs: list[RewardInput], prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        result = self.rewards.score(inputs)
-        scores = torch.tensor(result.overall, dtype=torch.float32)
-        metrics: dict[str, Any] = {
-            f"{prefix}/mean": float(scores.mean()),
-            f"{prefix}/std": float(scores.std(correction=0)),
-        }
-        metrics.update({f"{prefix}/{k}": float(np.mean(v)) for k, v in result.components.items()})
-        metrics.update({f"{prefix}/failures/{k}": v for k, v in result.failures.items()})
-        return scores, metrics
+        result = self.rewards.score(reward_inputs(batch))
+        return torch.tensor(result.overall, dtype=torch.float32), reward_metrics(result, prefix)
 
     def advantages(self, batch: Batch, metrics: dict[str, Any]) -> torch.Tensor:
         """Token rewards (the score on the final token, minus β·KL if charged) to advantages."""
@@ -300,9 +290,24 @@ class Trainer:
             for start in range(0, len(self.val_samples), self.cfg.data.val_batch_size):
                 chunk = self.val_samples[start : start + self.cfg.data.val_batch_size]
                 inputs += reward_inputs(self.engine.generate(chunk, params))
-        _, metrics = self.score_inputs(inputs, prefix="val")
+        result = self.rewards.score(inputs)
+        metrics = reward_metrics(result, prefix="val")
         key = f"val/{self.accuracy_key}"
         metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
+        if self.cfg.trainer.gallery_samples:
+            shown = range(min(len(inputs), self.cfg.trainer.gallery_samples))
+            items = [
+                GalleryItem(
+                    images=inputs[i].images,
+                    prompt=inputs[i].prompt,
+                    response=inputs[i].response,
+                    ground_truth=inputs[i].ground_truth,
+                    reward=result.overall[i],
+                    components={k: v[i] for k, v in result.components.items()},
+                )
+                for i in shown
+            ]
+            write_gallery(self.run_dir, self.step, items, metrics)
         return metrics
 
     def save(self) -> Path:
@@ -428,9 +433,13 @@ def make_kl_controller(cfg: Config) -> KLController:
     return FixedKLController(kl.kl_coef)
 
 
-def resolve_advantage_estimator(name: str) -> Any:
-    """A registered estimator, or a user's own named as path/to/file.py:function."""
-    return load_from_file(name) if ":" in name else get_advantage_estimator(name)
+def reward_metrics(result: RewardResult, prefix: str) -> dict[str, Any]:
+    """Mean and spread of the combined reward, each component's mean, and failure counts."""
+    scores = np.asarray(result.overall, dtype=np.float64)
+    metrics: dict[str, Any] = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std())}
+    metrics.update({f"{prefix}/{k}": float(np.mean(v)) for k, v in result.components.items()})
+    metrics.update({f"{prefix}/failures/{k}": v for k, v in result.failures.items()})
+    return metrics
 
 
 def reward_inputs(batch: Batch) -> list[RewardInput]:

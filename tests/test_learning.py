@@ -36,3 +36,6 @@ def test_quickstart_recipe_learns_colour_from_pixels(tmp_path, tiny_model_dir) -
     assert first < 0.35, f"the warm-up alone should leave accuracy near chance (1/6), got {first}"
     assert last - first >= 0.3, f"validation accuracy went {first:.3f} -> {last:.3f}"
     assert (run / "reward_curve.png").stat().st_size > 0
+    gallery = run / "gallery"
+    assert {p.name for p in gallery.glob("step_*.html")} == {f"step_{s:08d}.html" for s in (0, 100, 200)}
+    assert "step_00000200.html" in (gallery / "index.html").read_text()

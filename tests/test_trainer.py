@@ -116,3 +116,17 @@ def test_user_advantage_estimator_from_a_file_is_used(tmp_path, tiny_model_dir) 
     )
     assert code == 0
     assert marker.read_text() == "xx"  # called once per training step
+
+
+def test_user_policy_loss_from_a_file_is_used(tmp_path, tiny_model_dir) -> None:
+    marker = tmp_path / "loss_called.txt"
+    loss = tmp_path / "my_loss.py"
+    loss.write_text(
+        "from mmrl.algorithms import ppo_clip\n"
+        "def logged_ppo(logp, old_logp, advantages, response_mask, **kwargs):\n"
+        f"    open({str(marker)!r}, 'a').write('x')\n"
+        "    return ppo_clip(logp, old_logp, advantages, response_mask, **kwargs)\n"
+    )
+    data = _mixed_dataset(tmp_path / "data")
+    assert _train(tiny_model_dir, data, tmp_path / "run", f"actor.policy_loss={loss}:logged_ppo") == 0
+    assert marker.read_text() == "xx"  # one micro-batch per step, two steps

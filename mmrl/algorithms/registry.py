@@ -30,7 +30,10 @@ def register(registry: dict[str, F], *names: str) -> Callable[[F], F]:
 
 
 def lookup(registry: dict[str, F], name: str, *, what: str, how_to_add: str) -> F:
-    """Fetch `name`, or fail with the names on offer and how to add one (a bare KeyError helps nobody)."""
+    """Fetch `name`, a registered name or a user's `path/to/file.py:function`, or fail with the
+    names on offer and how to add one (a bare KeyError helps nobody)."""
+    if ":" in name:
+        return load_from_file(name)
     try:
         return registry[name]
     except KeyError:
