@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,20 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set size in GiB.
+
+    Reads VmHWM, the high-water mark of this process's own address space. `ru_maxrss` is not
+    used: Linux carries it across fork+exec, so a child started by a parent that had already
+    imported torch would report at least the parent's peak.
+    """
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import logging
 import random
-import resource
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -39,7 +38,7 @@ from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
 from mmrl.gallery import GalleryItem, write_gallery
-from mmrl.logger import MetricsLogger, plot_reward_curve
+from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, make_engine
 from mmrl.warmup import format_warmup
@@ -482,7 +481,7 @@ class _Timer:
         out = {f"timing/{k}": v for k, v in self.phases.items()}
         out["timing/step"] = total
         out["throughput/tokens_per_s"] = tokens / total
-        out["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        out["memory/peak_rss_gb"] = peak_rss_gb()
         return out
 
 

@@ -1,0 +1,495 @@
+"""Side-by-side GRPO throughput and memory: mmrl against TRL's GRPOTrainer on the same tiny VLM.
+
+Both systems train the same tiny random-init Qwen2.5-VL (after one shared format warm-up, so the
+answer reward is not all zero) on the same 112x112 colour images, in the same order, with the same
+prompt tokens, the same `answer_match` reward, the same batch (prompts x n), the same completion
+budget, AdamW at the same constant learning rate, clip 0.2, no KL and no entropy bonus, and the same
+number of optimizer steps (one per batch). Runs alternate mmrl, TRL, mmrl, TRL, ... and each run is
+its own subprocess, so peak RSS (the child's own VmHWM) is per system. Medians over repeats; step
+times skip each run's first step. On a shared 2-core machine pass `--threads 1`: two torch threads
+per run next to other jobs' threads can stall steps 50-100x and wreck the medians.
+
+TRL is not an mmrl dependency. It lives in a separate, git-ignored environment:
+
+    uv venv bench/.venv -p .venv/bin/python \
+      && uv pip install -p bench/.venv/bin/python -r requirements.lock trl==1.16.0 \
+      && uv pip install -p bench/.venv/bin/python --no-deps -e .
+
+Then:
+
+    bench/.venv/bin/python bench/vs_trl.py --batch 8 --n 4 --max-new-tokens 8 --steps 10 \
+        --repeats 3 --out bench/results/vs_trl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from common import (
+    QUESTION,
+    QUICKSTART,
+    data_overrides,
+    load_average,
+    machine,
+    make_workspace,
+    median,
+)
+
+from mmrl.logger import peak_rss_gb
+
+SYSTEMS = ("mmrl", "trl")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8, help="prompts per step")
+    p.add_argument("--n", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=112)
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per system")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=40, help="shared format warm-up before RL")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    p.add_argument("--workdir", type=Path, default=None, help="reuse a folder (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    p.add_argument("--role", choices=("parent", *SYSTEMS), default="parent", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ shared set-up (parent)
+def prepare(args: argparse.Namespace, root: Path) -> Path:
+    """Tiny model + colour data, then one format warm-up; returns the shared starting checkpoint."""
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+    from mmrl.warmup import format_warmup
+
+    model_dir, data_dir = make_workspace(root, max(512, args.batch * args.steps), args.image_size)
+    start = root / "start-model"
+    if (start / "config.json").exists():
+        return start
+    shutil.copytree(model_dir, start)
+    if args.warmup_steps:
+        cfg = load_config(
+            QUICKSTART,
+            [
+                *data_overrides(start, data_dir, root / "warmup-run", args.image_size),
+                f"warmup.steps={args.warmup_steps}",
+            ],
+        )
+        trainer = Trainer(cfg)
+        samples = trainer.train_set.prepare_all(limit=512)
+        losses = format_warmup(trainer.model, trainer.processor.tokenizer, samples, cfg.warmup, args.seed)
+        trainer.model.save_pretrained(start)
+        trainer.logger.close()
+        trainer.rewards.close()
+        print(f"shared format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return start
+
+
+# ------------------------------------------------------------------ mmrl (child)
+def run_mmrl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """GRPO steps through mmrl's Trainer; timings from its metrics.jsonl."""
+    from mmrl.config import load_config
+    from mmrl.logger import read_metrics
+    from mmrl.trainer import Trainer
+
+    run_dir = root / f"mmrl-{time.time_ns()}"
+    overrides = [
+        *data_overrides(root / "start-model", root / "data", run_dir, args.image_size),
+        "data.shuffle=false",
+        f"data.train_batch_size={args.batch}",
+        f"rollout.n={args.n}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.temperature=1.0",
+        f"actor.lr={args.lr}",
+        "actor.lr_schedule=constant",
+        "actor.warmup_steps=0",
+        "actor.weight_decay=0.0",
+        "actor.max_grad_norm=1.0",
+        "actor.clip_ratio_low=0.2",
+        "actor.clip_ratio_high=0.2",
+        "actor.loss_agg_mode=token-mean",
+        f"actor.mini_batch_size={args.batch}",
+        f"actor.micro_batch_size={max(256, args.batch * args.n)}",
+        "actor.use_kl_loss=false",
+        "actor.entropy_coef=0.0",
+        "reward.functions=[{name: answer_match, weight: 1.0}]",
+        "warmup.steps=0",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.seed={args.seed}",
+    ]
+    cfg = load_config(QUICKSTART, overrides)
+    t0 = time.perf_counter()
+    Trainer(cfg).fit()
+    wall = time.perf_counter() - t0
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing/step" in r]
+    phases: dict[str, list[float]] = defaultdict(list)
+    for r in records[1:]:
+        for k, v in r.items():
+            if k.startswith("timing/") and k != "timing/step":
+                phases[k.removeprefix("timing/")].append(v)
+    return {
+        "step_s": [r["timing/step"] for r in records],
+        "reward": [r["reward/mean"] for r in records],
+        "phases_s": {k: median(v) for k, v in phases.items()},
+        "train_wall_s": wall,
+    }
+
+
+# ------------------------------------------------------------------ TRL (child)
+class PhaseClock:
+    """Wall time of chosen GRPOTrainer methods, accumulated per optimizer step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, cls: type, method: str, label: str) -> None:
+        fn = getattr(cls, method)
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.current[label] += time.perf_counter() - t0
+
+        setattr(cls, method, timed)
+
+
+def trl_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """TRL-style reward: mmrl's `answer_match` grader on each completion's text."""
+    from rewards import GRADERS, RewardInput
+
+    grade = GRADERS["answer_match"]
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(grade(RewardInput(response=t, ground_truth=a))) for t, a in zip(texts, answer, strict=True)]
+
+
+def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The same GRPO steps through TRL's GRPOTrainer, on CPU, without vLLM."""
+    import torch
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from processors.chat import build_messages, encode_prompt
+
+    start = root / "start-model"
+    rows = [json.loads(line) for line in (root / "data" / "train.jsonl").read_text().splitlines()]
+    rows = rows[: args.batch * args.steps]
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": QUESTION}],
+                "image": Image.open(root / "data" / r["images"][0]).convert("RGB"),
+                "answer": r["answer"],
+            }
+            for r in rows
+        ]
+    )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        start, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    processor = AutoProcessor.from_pretrained(start)
+    config = GRPOConfig(
+        output_dir=str(root / f"trl-{time.time_ns()}"),
+        per_device_train_batch_size=args.batch * args.n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.n,
+        num_iterations=1,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        max_steps=args.steps,
+        shuffle_dataset=False,
+        remove_unused_columns=False,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=args.seed,
+    )
+    clock = PhaseClock()
+    clock.wrap(GRPOTrainer, "_generate_and_score_completions", "rollout_and_scoring")
+    clock.wrap(GRPOTrainer, "_generate", "generate")
+    clock.wrap(GRPOTrainer, "_calculate_rewards", "reward")
+    clock.wrap(GRPOTrainer, "compute_loss", "loss_forward")
+    seen: dict[str, Any] = {}
+    tokenize = GRPOTrainer._tokenize_prompts
+
+    def spy(self: Any, prompts: list) -> Any:
+        out = tokenize(self, prompts)
+        seen.setdefault("prompt_ids", list(out[0][0]))
+        return out
+
+    GRPOTrainer._tokenize_prompts = spy  # type: ignore[method-assign]
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step, generation included."""
+
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.step_s: list[float] = []
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            clock.current.clear()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.step_s.append(time.perf_counter() - self.t0)
+            clock.steps.append(dict(clock.current))
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=processor,
+        callbacks=[timer],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    phases: dict[str, list[float]] = defaultdict(list)
+    for s, p in zip(timer.step_s[1:], clock.steps[1:], strict=True):
+        prep = p.get("rollout_and_scoring", 0.0)
+        phases["generate"].append(p.get("generate", 0.0))
+        phases["reward"].append(p.get("reward", 0.0))
+        phases["other_scoring"].append(prep - p.get("generate", 0.0) - p.get("reward", 0.0))
+        phases["loss_forward"].append(p.get("loss_forward", 0.0))
+        phases["backward_optimizer_rest"].append(s - prep - p.get("loss_forward", 0.0))
+    expected = encode_prompt(
+        processor.tokenizer,
+        build_messages(f"<image>{QUESTION}", 1),
+        [(args.image_size // 28) ** 2],
+    )
+    return {
+        "step_s": timer.step_s,
+        "reward": rewards,
+        "phases_s": {k: median(v) for k, v in phases.items()},
+        "train_wall_s": wall,
+        "prompt_tokens": len(seen.get("prompt_ids", [])),
+        "prompt_matches_mmrl": seen.get("prompt_ids") == expected,
+    }
+
+
+def child(args: argparse.Namespace) -> int:
+    """One system's run; writes its result (with its own peak RSS) as JSON."""
+    root = args.workdir
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = run_mmrl(args, root) if args.role == "mmrl" else run_trl(args, root)
+    result["peak_rss_gb"] = peak_rss_gb()
+    args.result.write_text(json.dumps(result))
+    return 0
+
+
+# ------------------------------------------------------------------ orchestration (parent)
+def launch(args: argparse.Namespace, system: str, root: Path, index: int) -> dict[str, Any]:
+    """Run one system in a fresh interpreter and read back its result."""
+    result_path = root / f"result-{system}-{index}.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--role",
+        system,
+        "--result",
+        str(result_path),
+        "--workdir",
+        str(root),
+        *(
+            f"--{k.replace('_', '-')}={getattr(args, k)}"
+            for k in ("batch", "n", "max_new_tokens", "image_size", "steps", "lr", "seed", "threads")
+        ),
+    ]
+    load_before = load_average()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise RuntimeError(f"{system} run {index} failed with exit code {proc.returncode}")
+    result = json.loads(result_path.read_text())
+    result["process_wall_s"] = time.perf_counter() - t0
+    result["load_avg"] = (load_before, load_average()[0])
+    return result
+
+
+def summarise(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians per system and the mmrl/TRL ratios."""
+    samples = args.batch * args.n
+    out: dict[str, Any] = {}
+    for system, rs in runs.items():
+        step = median([median(r["step_s"][1:] or r["step_s"]) for r in rs])
+        first_k = max(1, min(3, args.steps // 3))
+        out[system] = {
+            "median_step_s": step,
+            "samples_per_s": samples / step,
+            "peak_rss_gb": median([r["peak_rss_gb"] for r in rs]),
+            "train_wall_s": median([r["train_wall_s"] for r in rs]),
+            "process_wall_s": median([r["process_wall_s"] for r in rs]),
+            "reward_first": median([sum(r["reward"][:first_k]) / first_k for r in rs]),
+            "reward_last": median([sum(r["reward"][-first_k:]) / first_k for r in rs]),
+            "phases_s": {k: median([r["phases_s"][k] for r in rs]) for k in rs[0]["phases_s"]},
+            "reward_steps_averaged": first_k,
+        }
+    for system, rs in runs.items():
+        out[system]["min_step_s"] = min(min(r["step_s"][1:] or r["step_s"]) for r in rs)
+    m, t = out["mmrl"], out["trl"]
+    # Each repeat's mmrl and TRL runs are neighbours in time, so their ratio cancels slow drifts
+    # in the machine's load better than the ratio of the two medians does.
+    pairwise = [
+        median(b["step_s"][1:] or b["step_s"]) / median(a["step_s"][1:] or a["step_s"])
+        for a, b in zip(runs["mmrl"], runs["trl"], strict=True)
+    ]
+    out["ratio_mmrl_over_trl"] = {
+        "samples_per_s": m["samples_per_s"] / t["samples_per_s"],
+        "samples_per_s_pairwise_median": median(pairwise),
+        "samples_per_s_pairwise": pairwise,
+        "samples_per_s_best_step": t["min_step_s"] / m["min_step_s"],
+        "step_time": m["median_step_s"] / t["median_step_s"],
+        "peak_rss": m["peak_rss_gb"] / t["peak_rss_gb"],
+    }
+    return out
+
+
+def print_table(args: argparse.Namespace, summary: dict[str, Any], runs: dict[str, list]) -> None:
+    """Plain-text tables: throughput, memory, learning, and the phase split."""
+    m, t, r = summary["mmrl"], summary["trl"], summary["ratio_mmrl_over_trl"]
+    k = m["reward_steps_averaged"]
+    print(
+        f"\nmmrl vs TRL GRPO: {args.batch} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
+        f"{args.image_size}px, {args.steps} steps, {args.repeats} alternating repeats (medians)"
+    )
+    rows = [
+        ("measure", "mmrl", "TRL", "mmrl/TRL"),
+        ("samples/s", f"{m['samples_per_s']:.1f}", f"{t['samples_per_s']:.1f}", f"{r['samples_per_s']:.2f}x"),
+        ("step time (s)", f"{m['median_step_s']:.3f}", f"{t['median_step_s']:.3f}", f"{r['step_time']:.2f}x"),
+        (
+            "fastest step (s)",
+            f"{m['min_step_s']:.3f}",
+            f"{t['min_step_s']:.3f}",
+            f"{r['samples_per_s_best_step']:.2f}x",
+        ),
+        ("samples/s, per-repeat ratio", "", "", f"{r['samples_per_s_pairwise_median']:.2f}x"),
+        ("peak RSS (GiB)", f"{m['peak_rss_gb']:.2f}", f"{t['peak_rss_gb']:.2f}", f"{r['peak_rss']:.2f}x"),
+        ("train wall (s)", f"{m['train_wall_s']:.1f}", f"{t['train_wall_s']:.1f}", ""),
+        ("process wall (s)", f"{m['process_wall_s']:.1f}", f"{t['process_wall_s']:.1f}", ""),
+        (f"reward, first {k} steps", f"{m['reward_first']:.3f}", f"{t['reward_first']:.3f}", ""),
+        (f"reward, last {k} steps", f"{m['reward_last']:.3f}", f"{t['reward_last']:.3f}", ""),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    for system in SYSTEMS:
+        split = ", ".join(f"{p} {v:.3f}" for p, v in summary[system]["phases_s"].items())
+        print(f"  {system} phases (s, median): {split}")
+        loads = ", ".join(f"{a:.1f}->{b:.1f}" for a, b in (run["load_avg"] for run in runs[system]))
+        print(f"  {system} 1-min load average per run: {loads}")
+    trl_runs = runs["trl"]
+    if trl_runs and not all(run.get("prompt_matches_mmrl") for run in trl_runs):
+        print("  WARNING: TRL's prompt tokens differ from mmrl's")
+    gain = {s: summary[s]["reward_last"] - summary[s]["reward_first"] for s in SYSTEMS}
+    # One step's reward mean over prompts x n samples near 1/6 has a standard error of about
+    # sqrt(p(1-p)/samples); averaged over k steps the difference of two such means is this noisy:
+    noise = 2 * (2 * (1 / 6) * (5 / 6) / (args.batch * args.n * k)) ** 0.5
+    text = f"reward change first->last {k} steps: mmrl {gain['mmrl']:+.3f}, TRL {gain['trl']:+.3f}"
+    if max(abs(g) for g in gain.values()) < noise:
+        print(f"  {text}; both within noise (+-{noise:.3f}): too few steps to compare learning")
+    elif abs(gain["mmrl"] - gain["trl"]) > noise:
+        print(f"  NOTE: {text}; the systems did not learn comparably (noise +-{noise:.3f})")
+    else:
+        print(f"  {text}; comparable (noise +-{noise:.3f})")
+
+
+def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    prepare(args, root)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    for i in range(args.repeats):
+        for system in SYSTEMS:
+            result = launch(args, system, root, i)
+            runs[system].append(result)
+            print(
+                f"run {i + 1}/{args.repeats} {system}: median step {median(result['step_s'][1:]):.3f} s, "
+                f"peak RSS {result['peak_rss_gb']:.2f} GiB, load {result['load_avg'][0]:.1f}",
+                flush=True,
+            )
+    summary = summarise(args, runs)
+    print_table(args, summary, runs)
+    return {
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "batch",
+                "n",
+                "max_new_tokens",
+                "image_size",
+                "steps",
+                "repeats",
+                "lr",
+                "warmup_steps",
+                "seed",
+                "threads",
+            )
+        },
+        "summary": summary,
+        "runs": runs,
+        "machine": machine(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role != "parent":
+        return child(args)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        result = parent(args, args.workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="mmrl-vs-trl-") as tmp:
+            result = parent(args, Path(tmp))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
