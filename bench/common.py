@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import statistics
 import subprocess
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +90,22 @@ def _git_head() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def run_in_workspace(
+    workdir: Path | None, prefix: str, run: Callable[[Path], dict[str, Any]]
+) -> dict[str, Any]:
+    """`run(folder)` in `workdir` if given (kept for inspection), else in a temporary folder."""
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return run(workdir)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        return run(Path(tmp))
+
+
+def write_result(out: Path | None, result: dict[str, Any]) -> None:
+    """Save the result as JSON where `--out` says, if it says anywhere."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")

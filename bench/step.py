@@ -11,14 +11,21 @@ timings the trainer writes to metrics.jsonl. The first `--skip` steps are left o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import QUICKSTART, data_overrides, load_average, machine, make_workspace, median
+from common import (
+    QUICKSTART,
+    data_overrides,
+    load_average,
+    machine,
+    make_workspace,
+    median,
+    run_in_workspace,
+    write_result,
+)
 
 from mmrl.logger import peak_rss_gb
 
@@ -123,17 +130,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        result = run(args, args.workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="mmrl-bench-") as tmp:
-            result = run(args, Path(tmp))
+    result = run_in_workspace(args.workdir, "mmrl-bench-", lambda folder: run(args, folder))
     print_table(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

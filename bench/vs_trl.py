@@ -29,7 +29,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -43,6 +42,8 @@ from common import (
     machine,
     make_workspace,
     median,
+    run_in_workspace,
+    write_result,
 )
 
 from mmrl.logger import peak_rss_gb
@@ -478,16 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.role != "parent":
         return child(args)
-    if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        result = parent(args, args.workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="mmrl-vs-trl-") as tmp:
-            result = parent(args, Path(tmp))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    result = run_in_workspace(args.workdir, "mmrl-vs-trl-", lambda folder: parent(args, folder))
+    write_result(args.out, result)
     return 0
 
 
