@@ -8,9 +8,7 @@ flat for real 150k-token vocabularies.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -25,23 +23,16 @@ from mmrl.algorithms import (
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig
 from mmrl.models import autocast_for
+from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minibatch
 from mmrl.rollout.hf import left_pad, vision_inputs
 from processors import mrope_position_ids
 
 
-def forward_logprobs(
-    model: Any,
-    batch: Batch,
-    pad_id: int,
-    temperature: float = 1.0,
-    with_entropy: bool | Literal["grad"] = False,
-    compute_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
+def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
+    """Last hidden states (B, T, H) at the positions that predict each response token.
 
-    Entropy is returned without a graph: it is a metric, and an autograd graph over (B, T, V)
-    softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
-    `with_entropy="grad"`."""
+    The shared trunk of the policy's log-probs and the critic's values: position t holds the
+    state after the prompt and the first t response tokens. Run under `autocast_for`."""
     device = next(model.parameters()).device
     rows = batch["prompt_index"].tolist()
     prompts = [batch.prompts[i] for i in rows]
@@ -60,21 +51,38 @@ def forward_logprobs(
         spatial_merge_size=cfg.vision_config.spatial_merge_size,
     )
     input_ids = input_ids.to(device)
+    embeds = model.model.get_input_embeddings()(input_ids)
+    image_embeds = _image_embeds(model, batch, rows, device)
+    if image_embeds is not None:
+        slots = (input_ids == cfg.image_token_id).unsqueeze(-1)
+        embeds = embeds.masked_scatter(slots, image_embeds.to(embeds.dtype))
+    hidden = model.model(
+        inputs_embeds=embeds,
+        attention_mask=attention.to(device),
+        position_ids=positions.to(device),
+        use_cache=False,
+    ).last_hidden_state
+    start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
+    return hidden[:, start : start + response.shape[1]]
+
+
+def forward_logprobs(
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool | Literal["grad"] = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
+
+    Entropy is returned without a graph: it is a metric, and an autograd graph over (B, T, V)
+    softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
+    `with_entropy="grad"`."""
     with autocast_for(model, compute_dtype):
-        embeds = model.model.get_input_embeddings()(input_ids)
-        image_embeds = _image_embeds(model, batch, rows, device)
-        if image_embeds is not None:
-            slots = (input_ids == cfg.image_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(slots, image_embeds.to(embeds.dtype))
-        hidden = model.model(
-            inputs_embeds=embeds,
-            attention_mask=attention.to(device),
-            position_ids=positions.to(device),
-            use_cache=False,
-        ).last_hidden_state
-        start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
-        logits = model.lm_head(hidden[:, start : start + response.shape[1]]).float() / temperature
-    logp = logprobs_from_logits(logits, response.to(device))
+        hidden = response_hidden(model, batch, pad_id)
+        logits = model.lm_head(hidden).float() / temperature
+    logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
     entropy = None
     if with_entropy == "grad":
         entropy = entropy_from_logits(logits)
@@ -106,25 +114,17 @@ def _image_embeds(model: Any, batch: Batch, rows: list[int], device: torch.devic
     return torch.cat([per_prompt[i] for i in rows if i in per_prompt])
 
 
-def lr_factor(update: int, cfg: ActorConfig, total: int) -> float:
-    """Linear warm-up, then constant or cosine decay to `min_lr_ratio` over `total` optimizer steps.
-
-    Decay matters most for small models trained at large rates: without it the policy keeps
-    moving after it has learned, and its entropy collapses."""
-    if update < cfg.warmup_steps:
-        return (update + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (update - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@dataclass
-class UpdateStats:
-    """What one `update` call did, for the step's metrics."""
-
-    metrics: dict[str, float]
-    skipped_steps: int
+def evaluate_rows(
+    model: Any, batch: Batch, micro_batch_size: int, fn: Callable[[Batch], torch.Tensor]
+) -> torch.Tensor:
+    """`fn` over micro-batches in eval mode without gradients, concatenated on the CPU: how the
+    policy, the reference and the critic score a whole rollout batch."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        parts = [fn(micro).cpu() for micro in batch.split(micro_batch_size)]
+    model.train(was_training)
+    return torch.cat(parts)
 
 
 class Actor:
@@ -147,10 +147,7 @@ class Actor:
         self.response_len = response_len
         self.compute_dtype = compute_dtype
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, partial(lr_factor, cfg=cfg, total=total_updates)
-        )
+        self.optimizer, self.scheduler = make_optimizer(params, cfg, total_updates)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
 
     def needs_old_logprobs(self, num_rows: int, group_size: int) -> bool:
@@ -159,54 +156,33 @@ class Actor:
         mini_rows = self.cfg.mini_batch_size * group_size
         return self.cfg.ppo_epochs > 1 or num_rows > mini_rows
 
-    @torch.no_grad()
     def logprobs(self, model: Any, batch: Batch) -> torch.Tensor:
         """Log-probs of every row under `model` (the policy or the frozen reference), micro-batched."""
-        was_training = model.training
-        model.eval()
-        parts = [
-            forward_logprobs(model, mb, self.pad_id, self.temperature, compute_dtype=self.compute_dtype)[
-                0
-            ].cpu()
-            for mb in batch.split(self.cfg.micro_batch_size)
-        ]
-        model.train(was_training)
-        return torch.cat(parts)
+        return evaluate_rows(
+            model,
+            batch,
+            self.cfg.micro_batch_size,
+            lambda micro: forward_logprobs(
+                model, micro, self.pad_id, self.temperature, compute_dtype=self.compute_dtype
+            )[0],
+        )
 
     def update(self, batch: Batch, group_size: int) -> UpdateStats:
-        """`ppo_epochs` passes over shuffled mini-batches; gradients accumulate over micro-batches
-        with losses normalised by mini-batch totals, so micro-batching never changes the result."""
+        """`ppo_epochs` passes over shuffled mini-batches of `mini_batch_size` prompts' responses."""
         cfg = self.cfg
-        self.model.train()
-        sums: dict[str, float] = {}
-        count, skipped = 0, 0
-        mini_rows = cfg.mini_batch_size * group_size
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(len(batch))
-            for start in range(0, len(batch), mini_rows):
-                mini = batch.select(order[start : start + mini_rows])
-                totals = {  # at least 1 token: mask_truncated may leave a mini-batch with none
-                    "num_tokens": max(1.0, float(mini["response_mask"].sum())),
-                    "num_seqs": float(len(mini)),
-                    "horizon": self.response_len,
-                }
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(cfg.micro_batch_size):
-                    stats = self._micro_step(micro, totals)
-                    for key, value in stats.items():
-                        sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-                if math.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:  # a non-finite gradient never reaches the weights or the optimizer moments
-                    skipped += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                sums["actor/lr"] = sums.get("actor/lr", 0.0) + self.scheduler.get_last_lr()[0]
-                self.scheduler.step()
-                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + grad_norm
-                count += 1
-        metrics = {k: v / count for k, v in sums.items()}
-        return UpdateStats(metrics=metrics, skipped_steps=skipped)
+        return minibatch_updates(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            rows_per_step=cfg.mini_batch_size * group_size,
+            micro_batch_size=cfg.micro_batch_size,
+            epochs=cfg.ppo_epochs,
+            max_grad_norm=cfg.max_grad_norm,
+            horizon=self.response_len,
+            micro_step=self._micro_step,
+            prefix="actor",
+        )
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
         cfg = self.cfg
@@ -221,11 +197,6 @@ class Actor:
         device = logp.device
         mask = micro["response_mask"].to(device).float()
         old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logp.detach()
-        agg = {
-            "num_tokens": totals["num_tokens"],
-            "num_seqs": totals["num_seqs"],
-            "horizon": totals["horizon"],
-        }
         pg_loss, pg_metrics = self.policy_loss(
             logp,
             old,
@@ -235,10 +206,10 @@ class Actor:
             clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
-            agg_kwargs=agg,
+            agg_kwargs=totals,
         )
         loss = pg_loss
-        entropy_value = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+        entropy_value = agg_loss(entropy, mask, cfg.loss_agg_mode, **totals)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_value
         stats = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_value.detach())}
@@ -247,12 +218,10 @@ class Actor:
                 kl_penalty(logp, micro["ref_logprobs"].to(device), cfg.kl_loss_type),
                 mask,
                 cfg.loss_agg_mode,
-                **agg,
+                **totals,
             )
             loss = loss + cfg.kl_loss_coef * kl
             stats["actor/kl_loss"] = float(kl.detach())
         loss.backward()
         stats.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
-        # Losses are already divided by mini-batch totals: scale them back to per-mini-batch values.
-        share = len(micro) / totals["num_seqs"]
-        return {k: (v / share if k.endswith(("loss", "entropy")) else v) for k, v in stats.items()}
+        return per_minibatch(stats, len(micro), totals)

@@ -110,7 +110,8 @@ class KLControlConfig(_Section):
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
-    gamma: float = 1.0
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD")
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal and sample more prompts"
     )
@@ -130,14 +131,23 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = KLControlConfig()
 
 
-class ActorConfig(_Section):
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+class _OptimSection(_Section):
+    """AdamW and its schedule: linear warm-up over `warmup_steps` optimizer steps, then constant
+    or cosine decay to `min_lr_ratio`·lr."""
+
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up")
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr")
     max_grad_norm: float = Field(1.0, gt=0)
+
+
+class ActorConfig(_OptimSection):
     ppo_epochs: int = Field(1, gt=0)
     mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward pass")
@@ -145,13 +155,27 @@ class ActorConfig(_Section):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.28, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1.0)
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     use_kl_loss: bool = True
     kl_loss_coef: float = Field(0.01, ge=0)
     kl_loss_type: KLEstimatorName = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)
+
+
+class CriticConfig(_OptimSection):
+    """The learned value function of `algorithm.adv_estimator=gae` (PPO): the policy's architecture
+    with a scalar value head, trained on the same mini-batches as the actor."""
+
+    model_path: str | None = Field(
+        None, description="Where its trunk starts; default: the policy's start (after any format warm-up)"
+    )
+    lr: float = Field(1e-5, gt=0)
+    ppo_epochs: int | None = Field(None, gt=0, description="Default: actor.ppo_epochs")
+    cliprange_value: float = Field(0.5, gt=0, description="PPO value clipping: V moves at most this far")
+    loss_agg_mode: LossAggMode = "token-mean"
+    pretrain_steps: int = Field(
+        0, ge=0, description="Critic warm-up: the first N steps train only the critic, the actor waits"
+    )
 
 
 class RewardFunctionConfig(_Section):
@@ -198,6 +222,7 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
+    critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     warmup: WarmupConfig = WarmupConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -231,6 +256,11 @@ class Config(_Section):
             raise ValueError(
                 f"algorithm.overlong_buffer_len ({algo.overlong_buffer_len}) must not exceed "
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}); shorten the buffer"
+            )
+        if algo.adv_estimator == "gae" and self.critic.pretrain_steps >= self.trainer.total_steps:
+            raise ValueError(
+                f"critic.pretrain_steps ({self.critic.pretrain_steps}) must be below trainer.total_steps "
+                f"({self.trainer.total_steps}), or the actor never trains"
             )
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
             raise ValueError(

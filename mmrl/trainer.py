@@ -36,6 +36,7 @@ from mmrl.algorithms import (
 )
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
+from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
 from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
@@ -105,11 +106,10 @@ class Trainer:
             self.pad_id,
             cfg.rollout.temperature or 1.0,
             cfg.rollout.max_new_tokens,
-            total_updates=cfg.trainer.total_steps
-            * cfg.actor.ppo_epochs
-            * (cfg.data.train_batch_size // cfg.actor.mini_batch_size),
+            total_updates=self._optimizer_steps(cfg.actor.ppo_epochs),
             compute_dtype=self.compute_dtype,
         )
+        self.critic = self._make_critic(cfg.critic.model_path or cfg.model.path)
         self.ref: Any = None
         self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.kl_ctrl = make_kl_controller(cfg)
@@ -158,18 +158,26 @@ class Trainer:
         if self.ref is not None:
             with timer("ref"):
                 batch.set(ref_logprobs=self.actor.logprobs(self.ref, batch))
+        if self.critic is not None:
+            with timer("values"):
+                batch.set(values=self.critic.values(batch))
         with timer("advantage"):
-            batch.set(advantages=self.advantages(batch, metrics))
+            advantages, returns = self.advantages(batch, metrics)
+            batch.set(advantages=advantages, returns=returns)
         metrics.update(_response_metrics(batch))
         if algo.mask_truncated:  # after the advantages, so a truncated response still counts in its group
             batch.set(response_mask=batch["response_mask"] * ~batch["truncated"][:, None])
-        with timer("update"):
-            stats = self.actor.update(batch, self.cfg.rollout.n)
-        with timer("sync"):
-            self.engine.sync_weights()
-        metrics.update(stats.metrics)
+        if self.critic is not None:
+            with timer("critic"):
+                metrics.update(self._update_critic(batch))
+        if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
+            with timer("update"):
+                stats = self.actor.update(batch, self.cfg.rollout.n)
+            with timer("sync"):
+                self.engine.sync_weights()
+            metrics.update(stats.metrics)
+            metrics["actor/skipped_updates"] = stats.skipped_steps
         metrics.update(timer.metrics(tokens=_token_count(batch)))
-        metrics["actor/skipped_updates"] = stats.skipped_steps
         return metrics
 
     def rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
@@ -239,8 +247,9 @@ class Trainer:
         result = self.rewards.score(reward_inputs(batch))
         return torch.tensor(result.overall, dtype=torch.float32), reward_metrics(result, prefix)
 
-    def advantages(self, batch: Batch, metrics: dict[str, Any]) -> torch.Tensor:
-        """Token rewards (the score on the final token, minus β·KL if charged) to advantages."""
+    def advantages(self, batch: Batch, metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rewards (the score on the final token, minus β·KL if charged) to advantages and
+        returns (the critic's regression targets under GAE)."""
         mask = batch["response_mask"].float()
         scores = batch["scores"]
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
@@ -257,20 +266,20 @@ class Trainer:
             token_rewards = token_rewards + kl_reward
             metrics.update({"kl_reward/kl": kl, "kl_reward/coef": self.kl_ctrl.value})
             self.kl_ctrl.update(kl, n_steps=len(scores))
-        extra = {}
+        extra: dict[str, Any] = {"values": batch["values"]} if "values" in batch else {}
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
             greedy = self.engine.generate(batch.prompts, replace(self.train_sampling, n=1, temperature=0.0))
             baseline, _ = self.score(greedy, prefix="remax")
             extra["baseline_scores"] = baseline[batch["prompt_index"]]
-        advantages, _ = self.advantage(
+        return self.advantage(
             token_rewards,
             mask,
             batch["prompt_index"],
             norm_adv_by_std=self.cfg.algorithm.norm_adv_by_std,
             gamma=self.cfg.algorithm.gamma,
+            lam=self.cfg.algorithm.lam,
             **extra,
         )
-        return advantages
 
     def validate(self) -> dict[str, Any]:
         """Greedy answers on the held-out prompts; touches no RNG the training run depends on."""
@@ -319,6 +328,8 @@ class Trainer:
             "rng": ckpt.rng_state(),
             "kl_coef": self.kl_ctrl.value,
         }
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
         return ckpt.save_checkpoint(
             self.run_dir / "checkpoints",
             self.step,
@@ -343,6 +354,8 @@ class Trainer:
         self.train_set.bad_rows = dict(state["bad_rows"])
         ckpt.set_rng_state(state["rng"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         self.resumed_from = folder
         self.console.print(f"resumed from {folder} at step {self.step}")
@@ -383,6 +396,49 @@ class Trainer:
             self.run_dir / "warmup_model"
         )  # the RL starting point, and the KL reference
         self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if self.critic is not None and not self.cfg.critic.model_path:
+            self.critic = self._make_critic(self.run_dir / "warmup_model")  # the critic starts where RL does
+
+    def _optimizer_steps(self, epochs: int) -> int:
+        """Optimizer steps over the whole run, the length of the learning-rate schedule."""
+        cfg = self.cfg
+        return cfg.trainer.total_steps * epochs * (cfg.data.train_batch_size // cfg.actor.mini_batch_size)
+
+    def _make_critic(self, start: str | Path) -> Critic | None:
+        """The GAE critic, its trunk initialised from the policy weights at `start`; None without GAE."""
+        if self.cfg.algorithm.adv_estimator != "gae":
+            return None
+        cfg = self.cfg
+        device = str(next(self.model.parameters()).device)
+        with torch.random.fork_rng(devices=_rng_devices()):  # building it must not shift the training RNG
+            model = ValueModel.from_policy_weights(start, device)
+        if cfg.model.freeze_vision_tower:
+            model.model.visual.requires_grad_(False)
+        return Critic(
+            model,
+            cfg.critic,
+            self.pad_id,
+            cfg.rollout.max_new_tokens,
+            total_updates=self._optimizer_steps(cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
+            micro_batch_size=cfg.actor.micro_batch_size,
+            compute_dtype=self.compute_dtype,
+        )
+
+    def _update_critic(self, batch: Batch) -> dict[str, Any]:
+        """One critic update on the actor's mini-batches; returns its metrics."""
+        cfg = self.cfg
+        assert self.critic is not None
+        stats = self.critic.update(
+            batch,
+            rows_per_step=cfg.actor.mini_batch_size * cfg.rollout.n,
+            epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs,
+        )
+        mask = batch["response_mask"].bool()
+        metrics = dict(stats.metrics)
+        metrics["critic/returns_mean"] = float(batch["returns"][mask].mean()) if mask.any() else 0.0
+        metrics["critic/values_mean"] = float(batch["values"][mask].mean()) if mask.any() else 0.0
+        metrics["critic/skipped_updates"] = stats.skipped_steps
+        return metrics
 
     def _reference(self) -> Any:
         """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off."""

@@ -157,7 +157,7 @@ COMMON_KWARGS = {"eps": 1e-6, "norm_adv_by_std": True, "gamma": 1.0, "unused_opt
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
 def test_every_estimator_masks_padding_and_takes_common_kwargs(name: str) -> None:
     fn = get_advantage_estimator(name)
-    kwargs = {**COMMON_KWARGS, "baseline_scores": torch.linspace(0, 1, 7)}
+    kwargs = {**COMMON_KWARGS, "baseline_scores": torch.linspace(0, 1, 7), "values": 0.1 * REWARDS.cos()}
     adv, returns = fn(REWARDS, MASK, GROUPS, **kwargs)
     assert adv.shape == returns.shape == MASK.shape
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()

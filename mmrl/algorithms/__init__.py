@@ -7,6 +7,7 @@ users add their own with the `register_*` decorators.
 from mmrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     drgrpo,
+    gae,
     get_advantage_estimator,
     grpo,
     register_advantage_estimator,
@@ -36,6 +37,7 @@ from mmrl.algorithms.policy_loss import (
 )
 from mmrl.algorithms.registry import load_from_file
 from mmrl.algorithms.shaping import overlong_penalty
+from mmrl.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -46,9 +48,11 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "agg_loss",
+    "clipped_value_loss",
     "drgrpo",
     "dual_clip",
     "entropy_from_logits",
+    "gae",
     "get_advantage_estimator",
     "get_policy_loss",
     "grpo",

@@ -200,3 +200,43 @@ def remax(
             f"baseline_scores must have shape {tuple(scores.shape)}, got {tuple(baseline_scores.shape)}"
         )
     return _broadcast(scores - baseline_scores.float(), response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("gae")
+@torch.no_grad()
+def gae(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al. 2016), the PPO estimator with a learned critic V:
+
+    δ_t = r_t + γ V_{t+1} − V_t,  Â_t = Σ_l (γλ)^l δ_{t+l},  returns R_t = Â_t + V_t,
+    with V = 0 after the last valid token; the policy gets whiten(Â) over the batch's valid
+    tokens, the critic regresses on R. λ trades the critic's bias (λ→0) for the return's
+    variance (λ=1 gives R_t − V_t with R_t the discounted return-to-go). Masked tokens are
+    skipped, not discounted through.
+    """
+    if values is None:
+        raise ValueError("gae needs values=<Tensor[B, T], the critic's value of each response token>")
+    if values.shape != token_rewards.shape:
+        raise ValueError(f"values must have shape {tuple(token_rewards.shape)}, got {tuple(values.shape)}")
+    mask = response_mask.bool()
+    rewards = torch.where(mask, token_rewards.float(), 0.0)
+    values = torch.where(mask, values.float(), 0.0)
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(rewards.shape[0])
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = torch.where(mask[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        advantages[:, t] = torch.where(mask[:, t], running, 0.0)
+    returns = advantages + values
+    return masked_whiten(advantages, mask, eps), returns

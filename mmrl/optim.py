@@ -1,0 +1,113 @@
+"""Optimizer, learning-rate schedule and the mini-batch update loop shared by the actor and the critic."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from mmrl.batch import Batch
+
+
+class OptimSettings(Protocol):
+    """The optimizer fields an actor or critic config section carries."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    lr_schedule: str
+    min_lr_ratio: float
+
+
+def lr_factor(update: int, cfg: OptimSettings, total: int) -> float:
+    """Linear warm-up, then constant or cosine decay to `min_lr_ratio` over `total` optimizer steps.
+
+    Decay matters most for small models trained at large rates: without it the policy keeps
+    moving after it has learned, and its entropy collapses."""
+    if update < cfg.warmup_steps:
+        return (update + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimSettings, total_updates: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over `params` with the warm-up/decay schedule of `lr_factor`."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total=total_updates))
+    return optimizer, scheduler
+
+
+# (micro-batch, mini-batch totals) -> per-mini-batch metrics; backpropagates its own loss.
+MicroStep = Callable[[Batch, dict[str, float]], dict[str, float]]
+
+
+@dataclass
+class UpdateStats:
+    """What one update call did, for the step's metrics."""
+
+    metrics: dict[str, float]
+    skipped_steps: int
+
+
+def minibatch_updates(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: Batch,
+    *,
+    rows_per_step: int,
+    micro_batch_size: int,
+    epochs: int,
+    max_grad_norm: float,
+    horizon: int,
+    micro_step: MicroStep,
+    prefix: str,
+) -> UpdateStats:
+    """`epochs` passes over shuffled mini-batches of `rows_per_step` rows, one optimizer step each.
+
+    Gradients accumulate over micro-batches whose losses are normalised by the mini-batch's totals
+    (`num_tokens`, `num_seqs`, `horizon`), so micro-batching never changes the result. A non-finite
+    gradient norm skips the step: it never reaches the weights or the optimizer moments."""
+    model.train()
+    sums: dict[str, float] = {}
+    count, skipped = 0, 0
+    for _ in range(epochs):
+        order = torch.randperm(len(batch))
+        for start in range(0, len(batch), rows_per_step):
+            mini = batch.select(order[start : start + rows_per_step])
+            totals = {  # at least 1 token: mask_truncated may leave a mini-batch with none
+                "num_tokens": max(1.0, float(mini["response_mask"].sum())),
+                "num_seqs": float(len(mini)),
+                "horizon": horizon,
+            }
+            optimizer.zero_grad(set_to_none=True)
+            for micro in mini.split(micro_batch_size):
+                for key, value in micro_step(micro, totals).items():
+                    sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+            sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
+            scheduler.step()
+            sums[f"{prefix}/grad_norm"] = sums.get(f"{prefix}/grad_norm", 0.0) + grad_norm
+            count += 1
+    return UpdateStats(metrics={k: v / count for k, v in sums.items()}, skipped_steps=skipped)
+
+
+def per_minibatch(stats: dict[str, float], rows: int, totals: dict[str, float]) -> dict[str, float]:
+    """Losses of a micro-batch are already divided by mini-batch totals: scale them back to
+    per-mini-batch values, so the row-weighted sum in `minibatch_updates` reports the mini-batch loss."""
+    share = rows / totals["num_seqs"]
+    return {k: (v / share if k.endswith(("loss", "entropy")) else v) for k, v in stats.items()}
