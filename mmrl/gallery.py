@@ -27,6 +27,22 @@ h1{font-size:1.3rem} .meta{color:#666;margin-bottom:1rem}
 .k{color:#777;font-size:.8rem;text-transform:uppercase;letter-spacing:.03em}
 pre{white-space:pre-wrap;word-break:break-word;margin:.1rem 0 .5rem;font-size:.85rem;background:#f4f4f4;padding:4px}
 table{border-collapse:collapse} td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:left}
+.missing{color:#d33;font-size:.85rem}
+"""
+# Marks every image as loaded or not once the page has loaded, and says so on the page: a gallery whose
+# pictures silently fail (moved folder, unreadable file) would otherwise just look empty. The browser
+# test reads the same marks.
+_CHECK_IMAGES = """
+addEventListener('load', () => {
+  let broken = 0;
+  for (const img of document.images) {
+    const ok = img.complete && img.naturalWidth > 0;
+    img.dataset.loaded = ok ? 'yes' : 'no';
+    if (!ok) { broken++; img.insertAdjacentHTML('afterend',
+      '<div class="missing">image failed to load: ' + img.getAttribute('src') + '</div>'); }
+  }
+  document.body.dataset.brokenImages = broken;
+});
 """
 
 
@@ -71,7 +87,7 @@ def write_gallery(run_dir: Path, step: int, items: list[GalleryItem], metrics: d
     page = folder / f"step_{step:08d}.html"
     page.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>step {step}</title>"
-        f"<style>{_STYLE}</style></head><body><h1>Validation at step {step}</h1>"
+        f"<style>{_STYLE}</style><script>{_CHECK_IMAGES}</script></head><body><h1>Validation at step {step}</h1>"
         f'<div class="meta"><a href="index.html">all steps</a> · {len(items)} samples · {summary}</div>'
         f'<div class="grid">{"".join(cards)}</div></body></html>',
         encoding="utf-8",
