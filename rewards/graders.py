@@ -17,8 +17,9 @@ GRADERS: dict[str, RewardFn] = {}
 _F = TypeVar("_F", bound=RewardFn)
 
 _BOXED = re.compile(r"\\boxed\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_ANSWER_LINE = re.compile(r"\banswer\s*:([^\n]*)", re.IGNORECASE)
+# A brace, or an escaped character (`\\{` is a literal brace in LaTeX, not a group).
+_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
+_ANSWER_LINE = re.compile(r"\banswer\s*(?:is\b\s*:?|:)([^\n]*)", re.IGNORECASE)
 _TAGGED = re.compile(r"\s*(?:<think>.*?</think>\s*)?<answer>(.*?)</answer>\s*", re.DOTALL)
 # What may follow a box in a well-formed response: closing math delimiters and a full stop belong to
 # writing the box ("$\boxed{4}$."), anything else is text after the answer.
@@ -44,54 +45,53 @@ def register_grader(name: str) -> Callable[[_F], _F]:
     return decorate
 
 
-def _closing_brace(text: str, start: int) -> int | None:
-    """Index of the brace closing the group opened just before `start`; None if the text ends first.
-    Backslash-escaped characters (`\\{`, `\\}`) do not count as braces, as in LaTeX."""
-    depth = 1
-    i = start
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
-
-
 def _boxes(text: str) -> list[tuple[int, int]]:
     """(content start, closing brace) of each complete top-level `\\boxed{...}`; an unclosed box (a
-    truncated response) is not an answer."""
+    truncated response) is not an answer. Braces are matched in one pass, so a response full of unclosed
+    boxes costs linear time rather than a scan to the end per box."""
+    box_starts = {match.end() for match in _BOXED.finditer(text)}
+    closed: list[tuple[int, int]] = []
+    open_groups: list[int] = []
+    for match in _BRACE.finditer(text):
+        if match.group() == "{":
+            open_groups.append(match.end())
+        elif match.group() == "}" and open_groups and (start := open_groups.pop()) in box_starts:
+            closed.append((start, match.start()))
     spans: list[tuple[int, int]] = []
-    pos = 0
-    while match := _BOXED.search(text, pos):
-        close = _closing_brace(text, match.end())
-        if close is None:
-            pos = match.end()
-        else:
-            spans.append((match.end(), close))
-            pos = close + 1
+    for start, close in sorted(closed):
+        if not spans or start > spans[-1][1]:
+            spans.append((start, close))
     return spans
 
 
-def extract_answer(text: str) -> str | None:
+def _last_tagged(text: str) -> str | None:
+    """Content of the last `<answer>...</answer>` block, each block ending at the first closing tag after
+    it opens. Found with `str.find` in one pass: a regex would rescan to the end from every unclosed tag."""
+    answer = None
+    pos = 0
+    while (start := text.find("<answer>", pos)) >= 0 and (end := text.find("</answer>", start)) >= 0:
+        answer = text[start + len("<answer>") : end]
+        pos = end + len("</answer>")
+    return answer
+
+
+def extract_answer(text: str, bare_max_chars: int = 0) -> str | None:
     """The final answer in a response: the last `\\boxed{}`, else the last `<answer>` block, else the rest
-    of the line after the last "Answer:". Returns None when there is none; never raises, because it runs
-    on arbitrary model output."""
+    of the line after the last "Answer:" or "answer is". With `bare_max_chars`, a one-line response at most
+    that long is itself the answer (a model that replied just "B" or "12 cm"). Returns None when there is
+    none; never raises, because it runs on arbitrary model output."""
     if not isinstance(text, str):
         return None
     if boxes := _boxes(text):
         start, close = boxes[-1]
         return text[start:close].strip()
-    if tagged := _ANSWER_TAG.findall(text):
-        return tagged[-1].strip()
+    if (tagged := _last_tagged(text)) is not None:
+        return tagged.strip()
     if lines := _ANSWER_LINE.findall(text):
         return lines[-1].strip() or None
+    bare = text.strip()
+    if bare and len(bare) <= bare_max_chars and "\n" not in bare:
+        return bare
     return None
 
 
