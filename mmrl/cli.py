@@ -1,4 +1,4 @@
-"""`mmrl` command line: train, quickstart, config show, model init-tiny, data synth."""
+"""`mmrl` command line: train, eval, quickstart, config show, model init-tiny, data synth."""
 
 from __future__ import annotations
 
@@ -37,6 +37,23 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     _preflight(cfg)
     Trainer(cfg, resume=args.resume).fit()
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from mmrl.evaluate import evaluate, print_table
+
+    cfg = load_config(args.config, args.overrides)
+    result = evaluate(
+        cfg,
+        args.checkpoint,
+        n=args.n,
+        temperature=args.temperature,
+        k=args.k,
+        correct_threshold=args.threshold,
+        out=args.out,
+    )
+    print_table(result, Console())
     return 0
 
 
@@ -93,6 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="e.g. actor.lr=1e-5 trainer.total_steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="score a checkpoint on data.val_files: greedy accuracy or pass@k")
+    ev.add_argument("config")
+    ev.add_argument("overrides", nargs="*", help="e.g. data.val_files=test.parquet")
+    ev.add_argument(
+        "--checkpoint", required=True, help="a run folder, a checkpoints/step_N folder or a model folder"
+    )
+    ev.add_argument("--n", type=int, default=1, help="samples per prompt; 1 decodes like validation (greedy)")
+    ev.add_argument(
+        "--temperature", type=float, default=None, help="for --n > 1 (default: rollout.temperature)"
+    )
+    ev.add_argument(
+        "--k", type=int, nargs="+", default=None, help="pass@k values to report (default: 1 and n)"
+    )
+    ev.add_argument(
+        "--threshold", type=float, default=0.5, help="accuracy score counted as correct for pass@k"
+    )
+    ev.add_argument("--out", default=None, help="JSON file (default: eval_*.json beside the model)")
+    ev.set_defaults(func=_eval)
 
     quick = sub.add_parser(
         "quickstart", help="build a tiny model and a visual task, then train it on this CPU"

@@ -42,9 +42,10 @@ from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, make_engine
+from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.warmup import format_warmup
 from processors import PixelBudget
-from rewards import RewardInput, RewardManager, RewardResult
+from rewards import RewardManager
 
 log = logging.getLogger("mmrl.trainer")
 
@@ -53,11 +54,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def reward_label(name: str) -> str:
-    """The metric name a reward function's score is logged under."""
-    return name.rpartition(":")[2] if ":" in name else name
 
 
 class UnfilledBatchError(ConfigError):
@@ -88,7 +84,7 @@ class Trainer:
         if cfg.model.freeze_vision_tower:
             self.model.model.visual.requires_grad_(False)
         self.pad_id = self.processor.tokenizer.pad_token_id
-        self.train_set, self.val_samples = self._datasets()
+        self.train_set, self.val_samples = build_datasets(cfg, self.processor, self.model.config)
         self.loader = PromptLoader(
             self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
         )
@@ -293,12 +289,9 @@ class Trainer:
         )
         if not self.val_samples:
             return {}
-        inputs: list[RewardInput] = []
-        with torch.random.fork_rng(devices=_rng_devices()):
-            for start in range(0, len(self.val_samples), self.cfg.data.val_batch_size):
-                chunk = self.val_samples[start : start + self.cfg.data.val_batch_size]
-                inputs += reward_inputs(self.engine.generate(chunk, params))
-        result = self.rewards.score(inputs)
+        inputs, result = generate_and_score(
+            self.engine, self.rewards, self.val_samples, params, self.cfg.data.val_batch_size
+        )
         metrics = reward_metrics(result, prefix="val")
         key = f"val/{self.accuracy_key}"
         metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
@@ -359,33 +352,6 @@ class Trainer:
         self.step = state["step"]
         self.resumed_from = folder
         self.console.print(f"resumed from {folder} at step {self.step}")
-
-    def _datasets(self) -> tuple[PromptDataset, list[PromptSample]]:
-        d = self.cfg.data
-        vcfg = self.model.config.vision_config
-        budget = PixelBudget(d.min_pixels, d.max_pixels, vcfg.patch_size, vcfg.spatial_merge_size)
-        common = {
-            "budget": budget,
-            "max_prompt_length": d.max_prompt_length,
-            "prompt_key": d.prompt_key,
-            "answer_key": d.answer_key,
-            "image_key": d.image_key,
-            "image_dir": d.image_dir,
-            "system_prompt": d.system_prompt,
-            "format_prompt": d.format_prompt,
-        }
-        train = PromptDataset(
-            read_rows(d.train_files), self.processor.tokenizer, self.processor.image_processor, **common
-        )
-        val: list[PromptSample] = []
-        if d.val_files:
-            val_set = PromptDataset(
-                read_rows(d.val_files), self.processor.tokenizer, self.processor.image_processor, **common
-            )
-            val = val_set.prepare_all(d.max_val_samples)
-            if val_set.skipped:
-                log.warning("validation rows skipped: %s", dict(val_set.skipped))
-        return train, val
 
     def _warmup(self) -> None:
         samples = self.train_set.prepare_all(limit=512)
@@ -465,6 +431,35 @@ class Trainer:
         )
 
 
+def build_datasets(
+    cfg: Config, processor: Any, model_config: Any
+) -> tuple[PromptDataset, list[PromptSample]]:
+    """The training set (prepared lazily, row by row) and the prepared validation samples."""
+    d = cfg.data
+    vcfg = model_config.vision_config
+    budget = PixelBudget(d.min_pixels, d.max_pixels, vcfg.patch_size, vcfg.spatial_merge_size)
+    common = {
+        "budget": budget,
+        "max_prompt_length": d.max_prompt_length,
+        "prompt_key": d.prompt_key,
+        "answer_key": d.answer_key,
+        "image_key": d.image_key,
+        "image_dir": d.image_dir,
+        "system_prompt": d.system_prompt,
+        "format_prompt": d.format_prompt,
+    }
+    train = PromptDataset(read_rows(d.train_files), processor.tokenizer, processor.image_processor, **common)
+    val: list[PromptSample] = []
+    if d.val_files:
+        val_set = PromptDataset(
+            read_rows(d.val_files), processor.tokenizer, processor.image_processor, **common
+        )
+        val = val_set.prepare_all(d.max_val_samples)
+        if val_set.skipped:
+            log.warning("validation rows skipped: %s", dict(val_set.skipped))
+    return train, val
+
+
 def refuse_to_overwrite(run_dir: Path) -> None:
     """A fresh run must not mix its metrics and checkpoints with an earlier run's."""
     leftovers = [p for p in (run_dir / "metrics.jsonl", run_dir / "checkpoints") if p.exists()]
@@ -486,33 +481,6 @@ def make_kl_controller(cfg: Config) -> KLController:
     if kl.type == "adaptive":
         return AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
     return FixedKLController(kl.kl_coef)
-
-
-def reward_metrics(result: RewardResult, prefix: str) -> dict[str, Any]:
-    """Mean and spread of the combined reward, each component's mean, and failure counts."""
-    scores = np.asarray(result.overall, dtype=np.float64)
-    metrics: dict[str, Any] = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std())}
-    metrics.update({f"{prefix}/{k}": float(np.mean(v)) for k, v in result.components.items()})
-    metrics.update({f"{prefix}/failures/{k}": v for k, v in result.failures.items()})
-    return metrics
-
-
-def reward_inputs(batch: Batch) -> list[RewardInput]:
-    """What each response's reward functions see: the text, the answer, the images and the row."""
-    inputs = []
-    for index, text in zip(batch["prompt_index"].tolist(), batch["response_text"], strict=True):
-        sample: PromptSample = batch.prompts[index]
-        inputs.append(
-            RewardInput(
-                response=text,
-                ground_truth=sample.ground_truth,
-                images=sample.images,
-                image_sizes=sample.image_sizes,
-                prompt=sample.prompt_text,
-                extra=sample.extra,
-            )
-        )
-    return inputs
 
 
 def _rng_devices() -> list[int]:
