@@ -15,14 +15,16 @@ import torch
 
 from mmrl.algorithms import (
     agg_loss,
+    block_tokens,
     entropy_from_logits,
     get_policy_loss,
     kl_penalty,
     logprobs_from_logits,
+    masked_mean,
 )
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig
-from mmrl.models import autocast_for
+from mmrl.models import autocast_for, never_generated_ids
 from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minibatch
 from mmrl.rollout.hf import left_pad, vision_inputs
 from processors import mrope_position_ids
@@ -82,6 +84,7 @@ def forward_logprobs(
     with autocast_for(model, compute_dtype):
         hidden = response_hidden(model, batch, pad_id)
         logits = model.lm_head(hidden).float() / temperature
+        logits = block_tokens(logits, never_generated_ids(model.config))
     logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
     entropy = None
     if with_entropy == "grad":
@@ -213,6 +216,9 @@ class Actor:
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_value
         stats = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_value.detach())}
+        if "rollout_logprobs" in micro:  # how far the engine's sampling distribution is from the trainer's
+            gap = (logp.detach() - micro["rollout_logprobs"].to(device)).abs()
+            stats["actor/rollout_logprob_diff"] = float(masked_mean(gap, mask))
         if cfg.use_kl_loss and "ref_logprobs" in micro:  # the reference may be loaded for the KL reward only
             kl = agg_loss(
                 kl_penalty(logp, micro["ref_logprobs"].to(device), cfg.kl_loss_type),

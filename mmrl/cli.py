@@ -25,10 +25,14 @@ def _preflight(cfg: Config) -> None:
             f"model.path: no model checkpoint at {model} (config.json missing). Build a tiny one with "
             f"`mmrl model init-tiny {model}`, or point model.path at a downloaded Qwen2.5-VL folder."
         )
+    from mmrl.data import resolve_data
+
     for key in ("train_files", "val_files"):
         for name in getattr(cfg.data, key):
-            if not Path(name).exists():
-                raise FileNotFoundError(f"data.{key}: data file {name} does not exist")
+            try:
+                resolve_data(name)  # FOLDER@SPLIT and hub-cache names too, not only plain paths
+            except (FileNotFoundError, ConfigError) as err:
+                raise type(err)(f"data.{key}: {err}") from None
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -72,16 +76,16 @@ def _init_tiny(args: argparse.Namespace) -> int:
 
 def _synth(args: argparse.Namespace) -> int:
     from mmrl.synthetic import generate
+    from mmrl.synthetic_geometry import DEFAULT_IMAGE_SIZE, generate_geometry
 
+    geometry = args.task == "geometry"
+    size = args.image_size if args.image_size is not None else DEFAULT_IMAGE_SIZE if geometry else 56
+    options = {"n_train": args.n_train, "n_val": args.n_val, "seed": args.seed, "image_size": size}
     try:
-        meta = generate(
-            args.out_dir,
-            task=args.task,
-            n_train=args.n_train,
-            n_val=args.n_val,
-            seed=args.seed,
-            image_size=args.image_size,
-        )
+        if geometry:
+            meta = generate_geometry(args.out_dir, **options)
+        else:
+            meta = generate(args.out_dir, task=args.task, **options)
     except ValueError as err:  # a bad --image-size or count: a usage error, not a crash
         raise ConfigError(str(err)) from None
     print(
@@ -152,11 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="action", required=True)
     synth = data.add_parser("synth", help="write a seeded synthetic visual task (jsonl + png)")
     synth.add_argument("out_dir")
-    synth.add_argument("--task", default="color", choices=sorted(TASKS))
+    synth.add_argument(
+        "--task",
+        default="color",
+        choices=[*sorted(TASKS), "geometry"],
+        help="geometry: labelled triangles, circles and angles with exact answers",
+    )
     synth.add_argument("--n-train", type=int, default=2048)
     synth.add_argument("--n-val", type=int, default=128)
     synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--image-size", type=int, default=56)
+    synth.add_argument(
+        "--image-size", type=int, default=None, help="pixels, a multiple of 28 (default: 56; geometry 224)"
+    )
     synth.set_defaults(func=_synth)
     return parser
 

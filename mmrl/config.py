@@ -32,15 +32,29 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_files: list[str]
+    train_files: list[str] = Field(
+        description="jsonl/json/parquet/arrow files, dataset folders (save_to_disk or split files), "
+        "or FOLDER@SPLIT"
+    )
     val_files: list[str] = []
     image_dir: str | None = Field(
-        None, description="Base folder for relative image paths (default: the file's)"
+        None, description="Base folder for relative image paths (default: the file's, or the named folder)"
     )
-    prompt_key: str = "problem"
-    answer_key: str = "answer"
+    format: Literal["auto", "easyr1", "verl"] = Field(
+        "auto",
+        description="Row layout; auto: verl if there are prompt and reward_model columns and no problem",
+    )
+    prompt_key: str | None = Field(
+        None,
+        description="Text or chat-messages column (default: problem, or prompt for verl); a.b reaches a field",
+    )
+    answer_key: str | None = Field(
+        None, description="Ground-truth column (default: answer, or reward_model.ground_truth for verl)"
+    )
     image_key: str = "images"
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(
+        None, description="For rows whose prompt has no system message of its own"
+    )
     format_prompt: str | None = Field(
         None, description="Jinja template around the prompt, with {{ content }}"
     )
@@ -83,8 +97,26 @@ class ValSamplingConfig(SamplingConfig):
     temperature: float = Field(0.0, ge=0.0)
 
 
+class VLLMConfig(_Section):
+    """The vLLM engine (rollout.engine=vllm): colocated with training in the same process."""
+
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Share of GPU memory vLLM may take")
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    max_model_len: int = Field(4096, gt=0, description="Prompt + response tokens per sequence")
+    enforce_eager: bool = Field(False, description="Skip CUDA graphs: slower decoding, faster start")
+    tensor_parallel_size: int = Field(1, gt=0)
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (GPUs use the memory share)")
+    sleep_between_rollouts: bool = Field(True, description="Free the KV cache while training (CUDA only)")
+    verify_sync_every: int = Field(
+        10, ge=0, description="Check vLLM's log-probs against the trainer's every N weight syncs; 0 never"
+    )
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="auto: vLLM where it is installed, else the HF transformers engine"
+    )
+    vllm: VLLMConfig = VLLMConfig()
     n: int = Field(5, gt=0, description="Responses per prompt (the GRPO group size)")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -179,9 +211,16 @@ class CriticConfig(_OptimSection):
 
 
 class RewardFunctionConfig(_Section):
+    """One reward function; an `async def` one is detected and its calls in a batch run concurrently."""
+
     name: str = Field(description="A built-in grader's short name, or path/to/file.py:function")
     weight: float = 1.0
     kwargs: dict[str, Any] = {}
+    batched: bool | None = Field(
+        None,
+        description="Called once per batch with list[RewardInput], returning one score per sample; "
+        "unset: per sample, except built-in model rewards (reward_model, llm_judge)",
+    )
 
 
 class RewardConfig(_Section):
@@ -233,10 +272,6 @@ class Config(_Section):
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"actor.mini_batch_size ({self.actor.mini_batch_size}); change one of them"
-            )
-        if self.rollout.engine == "vllm":
-            raise ValueError(
-                "rollout.engine=vllm: the vLLM engine is not part of this release yet; use rollout.engine=hf"
             )
         for name, sampling in (("rollout", self.rollout), ("rollout.val", self.rollout.val)):
             if sampling.n > 1 and sampling.temperature == 0:

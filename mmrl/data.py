@@ -1,5 +1,9 @@
 """Datasets of image prompts: reading rows, turning each into model inputs, skipping bad ones.
 
+Two row layouts are read as they are published. EasyR1: `problem` (text with `<image>` markers),
+`answer`, `images`. verl: `prompt` (chat messages, the system one becoming the system prompt),
+`reward_model.ground_truth`, `images`, and `extra_info`, whose fields reach rewards in `extra`.
+
 A row that cannot be used (unreadable image, missing column, prompt over the token budget,
 marker/image mismatch) is skipped with a named reason. Reasons are counted and the first of
 each kind is logged, so a bad corpus shows up in the metrics instead of crashing the run.
@@ -9,16 +13,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from jinja2 import Template
 from PIL import Image
 
+from mmrl.config import ConfigError
 from processors import (
     ImageError,
     PixelBudget,
@@ -29,7 +36,11 @@ from processors import (
     num_image_tokens,
     pixel_inputs,
 )
+from processors.chat import IMAGE_MARKER
 from rewards import ImageSize
+
+if TYPE_CHECKING:
+    from mmrl.config import DataConfig
 
 log = logging.getLogger("mmrl.data")
 
@@ -57,31 +68,161 @@ class SkipRow(Exception):
         self.reason = reason
 
 
-def read_rows(files: list[str]) -> list[tuple[dict[str, Any], Path]]:
-    """All rows of jsonl/json/parquet files, each with the folder its relative image paths start from."""
-    rows: list[tuple[dict[str, Any], Path]] = []
-    for name in files:
-        path = Path(name)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"data file {path} does not exist (check data.train_files / data.val_files)"
-            )
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8", errors="replace") as fh:
-                records = [_json_or_bad(line) for line in fh if line.strip()]
-        elif path.suffix == ".json":
-            loaded = json.loads(path.read_text(encoding="utf-8"))
-            records = [r if isinstance(r, dict) else {"__bad__": "row is not a JSON object"} for r in loaded]
-        elif path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# Metadata that sits beside data files: `save_to_disk` bookkeeping and `mmrl data synth`'s summary.
+_NOT_DATA = {"dataset_info.json", "state.json", "dataset_dict.json", "meta.json"}
+_SHARD_STEM = re.compile(r"([A-Za-z]\w*?)(?:-\d+-of-\d+)?")
 
-            records = pq.read_table(path).to_pylist()
-        else:
-            raise ValueError(
-                f"data file {path}: unsupported format {path.suffix!r}; use .jsonl, .json or .parquet"
-            )
-        rows += [(r, path.parent) for r in records]
+
+def read_rows(files: list[str]) -> list[tuple[dict[str, Any], Path]]:
+    """All rows of the named data, each with the folder its relative image paths start from.
+
+    Each entry is a file (.jsonl, .json, .parquet, .arrow), a dataset folder, or `FOLDER@SPLIT`
+    (see `resolve_data`). Relative image paths start from a file's folder, or from a named folder.
+    """
+    rows: list[tuple[dict[str, Any], Path]] = []
+    for spec in files:
+        base, paths = resolve_data(spec)
+        for path in paths:
+            rows += [(record, base) for record in _read_file(path)]
     return rows
+
+
+def resolve_data(spec: str) -> tuple[Path, list[Path]]:
+    """The base folder and data files that `spec` names, or an error that says how to fix it.
+
+    `spec` is a data file; a folder saved with `datasets.save_to_disk` or holding split files
+    (`data/train-00000-of-00001.parquet`, `train.jsonl`, `test/0000.parquet`); either with
+    `@SPLIT`; or a hub name `OWNER/NAME@SPLIT`, found only in the local hub cache, since mmrl
+    reads local files and never downloads.
+    """
+    name, split = spec, None
+    if not Path(spec).exists() and "@" in spec:
+        name, _, split = spec.rpartition("@")
+    path = Path(name)
+    if not path.exists():
+        snapshot = _hub_snapshot(name)
+        if snapshot is None:
+            raise _missing(spec, name)
+        path = snapshot
+    if path.is_dir():
+        return path, _split_files(path, split, spec)
+    if split is not None:
+        raise ConfigError(f"data {spec}: @{split} picks a split of a dataset folder, but {name} is a file")
+    return path.parent, [path]
+
+
+def _missing(spec: str, name: str) -> FileNotFoundError:
+    hint = ""
+    if not Path(name).suffix:
+        local = f"data/{Path(name).name}"
+        hint = (
+            f"; if {name!r} is a Hugging Face hub dataset, download it first (mmrl reads local files only), "
+            f"e.g. `huggingface-cli download --repo-type dataset {name} --local-dir {local}`, "
+            f"then name the folder: {local}@train"
+        )
+    return FileNotFoundError(
+        f"data file {spec} does not exist (check data.train_files / data.val_files){hint}"
+    )
+
+
+def _hub_snapshot(name: str) -> Path | None:
+    """The local hub cache's snapshot of dataset `name` (what `huggingface-cli download` fills)."""
+    if name.count("/") != 1:
+        return None
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    repo = Path(os.environ.get("HF_HUB_CACHE", home / "hub")) / f"datasets--{name.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    if not ref.is_file():
+        return None
+    snapshot = repo / "snapshots" / ref.read_text(encoding="utf-8").strip()
+    return snapshot if snapshot.is_dir() else None
+
+
+def _split_files(folder: Path, split: str | None, spec: str) -> list[Path]:
+    """The data files of one split of a dataset folder."""
+    if (folder / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: one folder per split
+        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        chosen = _pick_split(splits, split, spec)
+        return _split_files(folder / chosen, None, f"{spec}/{chosen}")
+    if (folder / "state.json").is_file():  # save_to_disk of one Dataset
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        if split is not None and split != state.get("_split"):
+            raise ConfigError(
+                f"data {spec}: {folder} holds a single split ({state.get('_split')}); drop @{split}"
+            )
+        return [folder / entry["filename"] for entry in state["_data_files"]]
+    by_split: dict[str, list[Path]] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in DATA_SUFFIXES):
+        rel = path.relative_to(folder)
+        if path.name not in _NOT_DATA and not _hidden(rel):
+            by_split.setdefault(_split_name(rel), []).append(path)
+    return by_split[_pick_split(sorted(by_split), split, spec)]
+
+
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def _split_name(rel: Path) -> str:
+    """`train` for `train.jsonl`, `data/train-00000-of-00002.parquet` and `train/0000.parquet`."""
+    match = _SHARD_STEM.fullmatch(rel.stem)
+    return match.group(1) if match else rel.parent.name
+
+
+def _pick_split(splits: list[str], split: str | None, spec: str) -> str:
+    if not splits:
+        raise ConfigError(f"data {spec}: no data files ({', '.join(DATA_SUFFIXES)}) in this folder")
+    if split is None and len(splits) == 1:
+        return splits[0]
+    if split is None:
+        raise ConfigError(f"data {spec}: the folder has splits {splits}; name one, e.g. {spec}@{splits[0]}")
+    if split not in splits:
+        raise ConfigError(f"data {spec}: no split {split!r}; the folder has {splits}")
+    return split
+
+
+def _read_file(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            return [_json_or_bad(line) for line in fh if line.strip()]
+    if path.suffix == ".json":
+        return _read_json(path)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix == ".arrow":
+        return _read_arrow(path)
+    raise ConfigError(
+        f"data file {path}: unsupported format {path.suffix!r}; use {', '.join(DATA_SUFFIXES)} or a folder"
+    )
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    """A JSON list of row objects, or JSON lines saved as .json (as the hub's json loader allows)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError:
+        return [_json_or_bad(line) for line in text.splitlines() if line.strip()]
+    if isinstance(loaded, dict):
+        return [loaded]  # a single row: JSON lines with one line
+    if not isinstance(loaded, list):
+        raise ConfigError(f"data file {path}: a .json data file holds a list of row objects")
+    return [r if isinstance(r, dict) else {"__bad__": "row is not a JSON object"} for r in loaded]
+
+
+def _read_arrow(path: Path) -> list[dict[str, Any]]:
+    """An Arrow IPC file: the stream format `save_to_disk` writes, or the random-access file format."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        try:
+            return pa.ipc.open_stream(source).read_all().to_pylist()
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return pa.ipc.open_file(source).read_all().to_pylist()
 
 
 def _json_or_bad(line: str) -> dict[str, Any]:
@@ -92,8 +233,84 @@ def _json_or_bad(line: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"__bad__": "line is not a JSON object"}
 
 
+# Column defaults of each layout; a dotted key reaches into a struct column.
+FORMAT_KEYS: dict[str, tuple[str, str]] = {
+    "easyr1": ("problem", "answer"),
+    "verl": ("prompt", "reward_model.ground_truth"),
+}
+# A struct column whose fields are also handed to rewards as top-level `extra` keys, so graders
+# find e.g. `choices` wherever a verl-style preprocessing script put it.
+LIFTED_COLUMN = "extra_info"
+
+
+def detect_format(rows: list[tuple[dict[str, Any], Path]]) -> str:
+    """`verl` if the rows have `prompt` and `reward_model` columns and no `problem`, else `easyr1`
+    (also when neither fits, so skip reasons then name EasyR1's columns)."""
+    columns: set[str] = set().union(*(row.keys() for row, _ in rows))
+    return "verl" if {"prompt", "reward_model"} <= columns and "problem" not in columns else "easyr1"
+
+
+def lookup(row: dict[str, Any], key: str) -> Any:
+    """Column `key`, or for a dotted key a field inside struct columns; a column named with dots wins."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _is_empty(value: Any) -> bool:
+    if isinstance(value, str):
+        return not value.strip()
+    return value is None or value == [] or value == {}
+
+
+def _message_text(content: Any) -> str:
+    """A message's content as text with `<image>` markers: a string, or OpenAI-style parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise SkipRow(
+            "bad_prompt", f"message content is {type(content).__name__}, not text or a list of parts"
+        )
+    pieces = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            pieces.append(part["text"])
+        elif kind == "image":
+            pieces.append(IMAGE_MARKER)
+        else:
+            raise SkipRow("bad_prompt", f"message part {part!r} is neither text nor an image")
+    return "".join(pieces)
+
+
+def _from_messages(messages: list[Any]) -> tuple[str, str | None]:
+    """The user text and the system prompt (None if absent) of a verl-style chat prompt."""
+    system: list[str] = []
+    user: list[str] = []
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("system", "user"):
+            raise SkipRow(
+                "bad_prompt", f"prompt message {message!r}: only system and user messages are supported"
+            )
+        (system if role == "system" else user).append(_message_text(message.get("content")))
+    if len(user) != 1:
+        raise SkipRow("bad_prompt", f"prompt has {len(user)} user messages; a single-turn prompt needs one")
+    return user[0], "\n\n".join(system) or None
+
+
 class PromptDataset:
-    """Rows plus everything needed to turn one into a `PromptSample`."""
+    """Rows plus everything needed to turn one into a `PromptSample`.
+
+    `data_format` (`auto`, `easyr1`, `verl`) picks the default prompt and answer columns; a prompt
+    value may be text or a list of chat messages in either format. A system message in the row
+    overrides `system_prompt`, which applies to rows without one.
+    """
 
     def __init__(
         self,
@@ -103,23 +320,48 @@ class PromptDataset:
         *,
         budget: PixelBudget,
         max_prompt_length: int,
-        prompt_key: str = "problem",
-        answer_key: str = "answer",
+        data_format: str = "auto",
+        prompt_key: str | None = None,
+        answer_key: str | None = None,
         image_key: str = "images",
         image_dir: str | None = None,
         system_prompt: str | None = None,
         format_prompt: str | None = None,
     ) -> None:
+        if data_format not in ("auto", *FORMAT_KEYS):
+            raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
+        self.format = detect_format(rows) if data_format == "auto" else data_format
+        default_prompt, default_answer = FORMAT_KEYS[self.format]
         self.rows = rows
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.budget = budget
         self.max_prompt_length = max_prompt_length
-        self.keys = (prompt_key, answer_key, image_key)
+        self.keys = (prompt_key or default_prompt, answer_key or default_answer, image_key)
         self.image_dir = image_dir
         self.system_prompt = system_prompt
         self.template = Template(format_prompt) if format_prompt else None
         self.bad_rows: dict[int, str] = {}  # row index -> skip reason; each bad row counts once
+
+    @classmethod
+    def from_config(
+        cls, files: list[str], cfg: DataConfig, tokenizer: Any, image_processor: Any, budget: PixelBudget
+    ) -> PromptDataset:
+        """The dataset of `files` (train or val) read and keyed as the `data` config section says."""
+        return cls(
+            read_rows(files),
+            tokenizer,
+            image_processor,
+            budget=budget,
+            max_prompt_length=cfg.max_prompt_length,
+            data_format=cfg.format,
+            prompt_key=cfg.prompt_key,
+            answer_key=cfg.answer_key,
+            image_key=cfg.image_key,
+            image_dir=cfg.image_dir,
+            system_prompt=cfg.system_prompt,
+            format_prompt=cfg.format_prompt,
+        )
 
     @property
     def skipped(self) -> Counter[str]:
@@ -151,14 +393,12 @@ class PromptDataset:
         row, folder = self.rows[index]
         if "__bad__" in row:
             raise SkipRow("bad_row", row["__bad__"])
-        prompt_key, answer_key, image_key = self.keys
-        text = row.get(prompt_key)
-        if not isinstance(text, str) or not text.strip():
-            raise SkipRow("missing_prompt", f"column {prompt_key!r} is missing, empty or not text")
-        answer = row.get(answer_key)
-        if answer is None or (isinstance(answer, str) and not answer.strip()):
+        _, answer_key, image_key = self.keys
+        text, system = self._prompt(row)
+        answer = lookup(row, answer_key)
+        if _is_empty(answer):
             raise SkipRow("missing_answer", f"column {answer_key!r} is missing or empty")
-        sources = row.get(image_key) or []
+        sources = lookup(row, image_key) or []
         if not isinstance(sources, list):
             sources = [sources]
         base = Path(self.image_dir) if self.image_dir else folder
@@ -170,7 +410,7 @@ class PromptDataset:
         if self.template is not None:
             text = self.template.render(content=text)
         try:
-            messages = build_messages(text, len(fitted), self.system_prompt)
+            messages = build_messages(text, len(fitted), system)
         except ValueError as err:
             raise SkipRow("image_marker_mismatch", str(err)) from None
         counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
@@ -191,12 +431,32 @@ class PromptDataset:
             image_sizes=[
                 ImageSize(original=o.size, model_input=f.size) for o, f in zip(images, fitted, strict=True)
             ],
-            extra={k: v for k, v in row.items() if k not in self.keys},
+            extra=self._extra(row),
         )
         if fitted:
             inputs = pixel_inputs(fitted, self.image_processor)
             sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
         return sample
+
+    def _prompt(self, row: dict[str, Any]) -> tuple[str, str | None]:
+        """The user text and system prompt of a row whose prompt is text or chat messages."""
+        key = self.keys[0]
+        value = lookup(row, key)
+        if isinstance(value, list) and value:
+            text, system = _from_messages(value)
+        else:
+            text, system = value, None
+        if not isinstance(text, str) or not text.strip():
+            raise SkipRow("missing_prompt", f"column {key!r} is missing, empty or not text or chat messages")
+        return text, system or self.system_prompt
+
+    def _extra(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Every column the prompt, answer and images were not read from, plus `extra_info`'s fields
+        (a column of the same name wins over a lifted field)."""
+        used = {key if key in row else key.split(".")[0] for key in self.keys}
+        extra = {k: v for k, v in row.items() if k not in used}
+        lifted = extra.get(LIFTED_COLUMN)
+        return {**lifted, **extra} if isinstance(lifted, dict) else extra
 
     def prepare_all(self, limit: int | None = None) -> list[PromptSample]:
         """Every usable row (validation sets are small enough to hold prepared)."""

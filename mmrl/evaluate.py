@@ -20,7 +20,7 @@ from rich.table import Table
 from mmrl import checkpoint as ckpt
 from mmrl.config import Config, ConfigError
 from mmrl.models import load_policy, load_processor, resolve_dtype
-from mmrl.rollout import SamplingParams, make_engine
+from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_label, reward_metrics
 from mmrl.trainer import build_datasets
 from rewards import RewardManager
@@ -107,7 +107,7 @@ def evaluate(
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
-    engine = make_engine(cfg.rollout.engine, model, processor, compute_dtype)
+    engine = engine_from_config(cfg, model, processor, compute_dtype, model_dir)
     functions = [f.model_dump() for f in cfg.reward.functions]
     with RewardManager(
         functions,

@@ -178,6 +178,14 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def never_generated_ids(config: Any) -> list[int]:
+    """Vision placeholder tokens: the policy must never emit them (they would break mRoPE and the image
+    slots of the next forward), so engines block them and the trainer's log-probs exclude them too,
+    keeping the trained distribution the one that was sampled."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [i for i in (getattr(config, n, None) for n in names) if i is not None]
+
+
 def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:
     """Mixed precision for forward passes. Trained parameters stay fp32, so AdamW steps of 1e-6
     are not rounded away as they would be in bf16 weights; the matmuls run in `dtype`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from mmrl.data import PromptSample
 from mmrl.models import autocast_for, load_policy, load_processor
 from mmrl.rollout import SamplingParams, make_engine
 from processors import build_messages, encode_prompt, pixel_inputs
+from rewards.graders import register_grader
 from rewards.types import RewardInput
 
 REWARD_HEAD = "reward_head.safetensors"
@@ -189,9 +191,8 @@ class GenerativeJudge:
         batch_size: int = 16,
     ):
         self.processor = load_processor(path)
-        self.engine = make_engine(
-            engine, load_policy(path, torch.float32, device), self.processor, torch.float32
-        )
+        model = load_policy(path, torch.float32, device)
+        self.engine = make_engine(engine, model, self.processor, torch.float32, model_path=path)
         self.template = template
         self.params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
         self.batch_size = batch_size
@@ -214,3 +215,49 @@ class GenerativeJudge:
         return self.template.format(
             prompt=sample.prompt, response=sample.response, ground_truth=sample.ground_truth
         )
+
+
+def _device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+@lru_cache(maxsize=4)
+def _reward_model(
+    path: str, device: str, batch_size: int, max_length: int
+) -> VisionRewardModel | TextRewardModel:
+    """Loaded once per run and config, not once per batch."""
+    if (Path(path) / REWARD_HEAD).is_file():
+        return VisionRewardModel(path, device, batch_size, max_length)
+    return TextRewardModel(path, device, batch_size, max_length)
+
+
+@lru_cache(maxsize=4)
+def _judge(
+    path: str, template: str, engine: str, device: str, max_new_tokens: int, batch_size: int
+) -> GenerativeJudge:
+    return GenerativeJudge(path, template, engine, device, max_new_tokens, batch_size)
+
+
+@register_grader("reward_model", batched=True)
+def reward_model(
+    samples: list[RewardInput], path: str, device: str = "auto", batch_size: int = 16, max_length: int = 4096
+) -> list[float]:
+    """A learned reward model's score. A folder with `reward_head.safetensors` is a vision reward model
+    (it sees the images); any other is loaded as a text sequence-classification model."""
+    return _reward_model(str(Path(path).resolve()), _device(device), batch_size, max_length)(samples)
+
+
+@register_grader("llm_judge", batched=True)
+def llm_judge(
+    samples: list[RewardInput],
+    path: str,
+    template: str = DEFAULT_JUDGE_TEMPLATE,
+    engine: str = "hf",
+    device: str = "auto",
+    max_new_tokens: int = 16,
+    batch_size: int = 16,
+) -> list[dict[str, float]]:
+    """A VLM judge's verdict (1 yes, 0 no, or a score in [0, 1]), asked through a rollout engine; the
+    `parsed` metric is the share of replies that gave a verdict."""
+    judge = _judge(str(Path(path).resolve()), template, engine, _device(device), max_new_tokens, batch_size)
+    return judge(samples)

@@ -24,6 +24,7 @@ from rich.progress import (
 )
 
 from mmrl import checkpoint as ckpt
+from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
 from mmrl.actor import Actor
 from mmrl.algorithms import (
     AdaptiveKLController,
@@ -37,11 +38,11 @@ from mmrl.algorithms import (
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.critic import Critic, ValueModel
-from mmrl.data import PromptDataset, PromptLoader, PromptSample, read_rows
+from mmrl.data import PromptDataset, PromptLoader, PromptSample
 from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.models import load_policy, load_processor, resolve_dtype
-from mmrl.rollout import SamplingParams, make_engine
+from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.warmup import format_warmup
 from processors import PixelBudget
@@ -88,7 +89,7 @@ class Trainer:
         self.loader = PromptLoader(
             self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
         )
-        self.engine = make_engine(cfg.rollout.engine, self.model, self.processor, self.compute_dtype)
+        self.engine = engine_from_config(cfg, self.model, self.processor, self.compute_dtype, cfg.model.path)
         self.rewards = RewardManager(
             [f.model_dump() for f in cfg.reward.functions],
             timeout_s=cfg.reward.timeout_s,
@@ -121,6 +122,7 @@ class Trainer:
         if self.resumed_from is None and self.cfg.warmup.steps:
             self._warmup()
         self.ref = self._reference()
+        self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
         if cfg.val_before_train and self.step == 0 and self.val_samples:
             self.logger.log(0, self.validate())
         with self._progress() as bar:
@@ -216,6 +218,7 @@ class Trainer:
         """Generate for the loader's next prompts and score them, overlong shaping included."""
         with timer("rollout"):
             batch = self.engine.generate(self.loader.next_batch(), self.train_sampling)
+            self.engine.sleep()
         with timer("reward"):
             scores, metrics = self.score(batch, prefix="reward")
         algo = self.cfg.algorithm
@@ -236,7 +239,12 @@ class Trainer:
     def train_sampling(self) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
-            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            logprobs=self.engine.logprobs_are_free,
         )
 
     def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -438,22 +446,11 @@ def build_datasets(
     d = cfg.data
     vcfg = model_config.vision_config
     budget = PixelBudget(d.min_pixels, d.max_pixels, vcfg.patch_size, vcfg.spatial_merge_size)
-    common = {
-        "budget": budget,
-        "max_prompt_length": d.max_prompt_length,
-        "prompt_key": d.prompt_key,
-        "answer_key": d.answer_key,
-        "image_key": d.image_key,
-        "image_dir": d.image_dir,
-        "system_prompt": d.system_prompt,
-        "format_prompt": d.format_prompt,
-    }
-    train = PromptDataset(read_rows(d.train_files), processor.tokenizer, processor.image_processor, **common)
+    tok, images = processor.tokenizer, processor.image_processor
+    train = PromptDataset.from_config(d.train_files, d, tok, images, budget)
     val: list[PromptSample] = []
     if d.val_files:
-        val_set = PromptDataset(
-            read_rows(d.val_files), processor.tokenizer, processor.image_processor, **common
-        )
+        val_set = PromptDataset.from_config(d.val_files, d, tok, images, budget)
         val = val_set.prepare_all(d.max_val_samples)
         if val_set.skipped:
             log.warning("validation rows skipped: %s", dict(val_set.skipped))

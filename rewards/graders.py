@@ -13,6 +13,7 @@ from typing import TypeVar
 from rewards.types import RewardFn, RewardInput
 
 GRADERS: dict[str, RewardFn] = {}
+BATCHED_GRADERS: set[str] = set()
 
 _F = TypeVar("_F", bound=RewardFn)
 
@@ -30,9 +31,10 @@ _WRAPPERS = " \t\r\n\f\v'\"`$‘’“”"
 _TRAILING = ".,;:!?"
 
 
-def register_grader(name: str) -> Callable[[_F], _F]:
+def register_grader(name: str, batched: bool = False) -> Callable[[_F], _F]:
     """Register a grader under `name`; duplicates are refused so one grader can never silently shadow
-    another."""
+    another. A `batched` grader takes the whole `list[RewardInput]` and returns one score per sample
+    (model-based rewards, which run one forward pass per batch)."""
     if not name.isidentifier():
         raise ValueError(f"grader name {name!r} must be a Python identifier (it is used in configs and logs)")
 
@@ -40,6 +42,8 @@ def register_grader(name: str) -> Callable[[_F], _F]:
         if name in GRADERS:
             raise ValueError(f"a grader named {name!r} is already registered; pick another name")
         GRADERS[name] = fn
+        if batched:
+            BATCHED_GRADERS.add(name)
         return fn
 
     return decorate

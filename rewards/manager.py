@@ -1,9 +1,10 @@
 """Score a batch with several weighted reward functions, keeping any one bad function from hurting training.
 
-Every call either scores or is counted as a failure and scores 0 for that sample and that function only;
-`score` never raises because of a user function. The first failure of each kind per function is logged
-(with its traceback for exceptions), later ones are only counted, so a broken reward shows up once in the
-log and then as a failure metric rather than as thousands of identical tracebacks.
+Every call either scores or is counted as a failure and scores 0 for that sample and that function only
+(for every sample of the call, when a batched call fails as a whole); `score` never raises because of a
+user function. The first failure of each kind per function is logged (with its traceback for exceptions),
+later ones are only counted, so a broken reward shows up once in the log and then as a failure metric
+rather than as thousands of identical tracebacks.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import logging
 import math
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+from rewards.graders import BATCHED_GRADERS
 from rewards.loader import load_reward_function, split_file_spec
-from rewards.outcome import Outcome, evaluate
-from rewards.pool import WorkerPool
-from rewards.types import RewardFn, RewardInput, RewardResult
+from rewards.outcome import EventLoop, Outcome, Scorer, run_calls
+from rewards.pool import RemoteFunction, WorkerPool
+from rewards.types import RewardInput, RewardResult
 
 logger = logging.getLogger("mmrl.rewards")
 
-_SPEC_KEYS = {"name", "weight", "kwargs"}
+_SPEC_KEYS = {"name", "weight", "kwargs", "batched"}
 
 
 @dataclass(frozen=True)
@@ -32,19 +34,26 @@ class _Function:
 
     label: str
     spec: str
-    fn: RewardFn
+    scorer: Scorer
     weight: float
-    kwargs: dict[str, Any]
     remote: bool
+
+    def remote_function(self) -> RemoteFunction:
+        return RemoteFunction(self.spec, dict(self.scorer.kwargs), self.scorer.batched, self.scorer.is_async)
 
 
 class RewardManager:
-    """Weighted sum of reward functions, each given as {"name": spec, "weight": 1.0, "kwargs": {}}.
+    """Weighted sum of reward functions, each given as {"name": spec, "weight": 1.0, "kwargs": {}} with an
+    optional "batched": True.
 
-    `spec` is a built-in grader name or "path/to/file.py:function". With isolation="process", functions
-    from files run in `num_workers` spawned processes, each call limited to `timeout_s`; built-in graders
-    are trusted and fast, so they run in-process either way. With isolation="inline" everything runs
-    in-process: exceptions and invalid values are still caught, but there is no timeout.
+    `spec` is a built-in grader name or "path/to/file.py:function". A `batched` function is called once per
+    batch with list[RewardInput] and returns one score per sample. An `async def` function is detected and
+    awaited: the calls of one batch run concurrently, each limited to `timeout_s`, in-process too.
+
+    With isolation="process", functions from files run in `num_workers` spawned processes, each call (a
+    batched call counts as one) limited to `timeout_s`; built-in graders are trusted and fast, so they run
+    in-process either way. With isolation="inline" everything runs in-process: exceptions and invalid values
+    are still caught, but only async calls have a timeout.
     """
 
     def __init__(
@@ -65,8 +74,10 @@ class RewardManager:
         if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
             raise ValueError(f"reward functions must have distinct names; repeated: {', '.join(duplicates)}")
         self._logged: set[tuple[str, str]] = set()
+        self._timeout_s = timeout_s
+        self._loop = EventLoop()
         self._remote = [f for f in self._functions if f.remote]
-        worker_functions = [(f.spec, f.kwargs) for f in self._remote]
+        worker_functions = [f.remote_function() for f in self._remote]
         self._pool = WorkerPool(worker_functions, num_workers, timeout_s) if worker_functions else None
         self._closed = False
 
@@ -74,11 +85,7 @@ class RewardManager:
         """Score every sample with every function and combine them by weight."""
         if self._closed:
             raise RuntimeError("RewardManager is closed")
-        outcomes: dict[str, list[Outcome]] = {
-            f.label: [evaluate(f.fn, sample, f.kwargs) for sample in samples]
-            for f in self._functions
-            if not f.remote
-        }
+        outcomes = self._score_inline(samples)
         if self._pool is not None:
             remote = self._pool.run(samples)
             outcomes.update((f.label, row) for f, row in zip(self._remote, remote, strict=True))
@@ -87,6 +94,7 @@ class RewardManager:
     def close(self) -> None:
         """Stop the worker processes, if any; safe to call more than once."""
         self._closed = True
+        self._loop.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -97,6 +105,24 @@ class RewardManager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def _score_inline(self, samples: list[RewardInput]) -> dict[str, list[Outcome]]:
+        """Outcomes of the functions that run in this process, by label."""
+        inline = [f for f in self._functions if not f.remote]
+        outcomes: dict[str, list[Outcome | None]] = {f.label: [None] * len(samples) for f in inline}
+        calls: list[tuple[tuple[str, range], Scorer, list[RewardInput]]] = []
+        for f in inline:
+            if not f.scorer.batched:
+                calls += [((f.label, range(i, i + 1)), f.scorer, [s]) for i, s in enumerate(samples)]
+            elif samples:
+                calls.append(((f.label, range(len(samples))), f.scorer, samples))
+
+        def report(key: tuple[str, range], results: list[Outcome]) -> None:
+            label, indices = key
+            outcomes[label][indices.start : indices.stop] = results
+
+        run_calls(calls, self._timeout_s, self._loop, report)
+        return cast(dict[str, list[Outcome]], outcomes)
 
     def _combine(self, num_samples: int, outcomes: dict[str, list[Outcome]]) -> RewardResult:
         result = RewardResult(overall=[0.0] * num_samples)
@@ -139,20 +165,28 @@ def _configure(spec: dict[str, Any], isolate: bool) -> _Function:
     """Validate one spec and load its function, so config mistakes fail at start-up, not mid-training."""
     if unknown := set(spec) - _SPEC_KEYS:
         raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in reward spec {spec}; allowed: name, weight, kwargs"
+            f"unknown key(s) {sorted(unknown)} in reward spec {spec}; allowed: name, weight, kwargs, batched"
         )
     if "name" not in spec:
         raise ValueError(f"reward spec {spec} has no 'name'")
     name, weight, kwargs = spec["name"], spec.get("weight", 1.0), dict(spec.get("kwargs") or {})
+    batched = spec.get("batched")
+    if batched is None:  # unset: built-in model-based graders are batched, everything else per sample
+        batched = name in BATCHED_GRADERS
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
         raise ValueError(f"weight of reward {name!r} must be a finite number, got {weight!r}")
+    if not isinstance(batched, bool):
+        raise ValueError(f"batched of reward {name!r} must be true or false, got {batched!r}")
+    if name in BATCHED_GRADERS and not batched:
+        raise ValueError(f"the built-in reward {name!r} scores whole batches; remove batched: false")
     fn = load_reward_function(name)
     try:
         inspect.signature(fn).bind(None, **kwargs)
     except TypeError as err:
         raise ValueError(f"reward function {name!r} cannot take kwargs {kwargs}: {err}") from err
+    scorer = Scorer(fn, kwargs, batched)
     file_spec = split_file_spec(name)
     if file_spec is None:
-        return _Function(name, name, fn, float(weight), kwargs, remote=False)
+        return _Function(name, name, scorer, float(weight), remote=False)
     path, function_name = file_spec
-    return _Function(function_name, f"{path}:{function_name}", fn, float(weight), kwargs, remote=isolate)
+    return _Function(function_name, f"{path}:{function_name}", scorer, float(weight), remote=isolate)

@@ -4,15 +4,21 @@ Why not `multiprocessing.Pool` or `ProcessPoolExecutor`: neither can kill one hu
 hung call would block the batch, and killing a worker breaks the executor. This pool owns its processes
 and replaces any that hang or die.
 
-How work travels. A batch is cut into a few chunks per worker (contiguous samples, every function). A chunk
-goes to an idle worker in one message, so each sample's images are pickled and sent once, not once per
-function or per round-trip. The worker streams back one small result per call as it finishes, which is
-what makes per-call timeouts possible without a round-trip per call: the parent restarts a worker's clock
-on every result it receives, so the clock always times the call the worker is on. When it runs out, that
-call scores a timeout, the worker is killed and replaced, and the chunk's unfinished calls go back to the
-front of the queue. The first call's clock starts once its chunk is sent, so it also covers unpickling the
-chunk (milliseconds); later clocks start when the previous result arrives, a little after the call began,
-so they err towards lenient.
+How work travels. A batch is cut into chunks of calls: a few chunks per worker for plain sync functions
+(contiguous samples, every such function), one per worker for async functions (so each worker's event loop
+runs its share of them at once), and one per call of a batched function (all samples). A chunk goes to an
+idle worker in one message, so each sample's images are pickled and sent once per chunk, not once per
+function or per round-trip. The worker runs a chunk's async calls first, all at once, then its sync calls
+in order, and streams back each call's result as it finishes, tagged with the call's place in the chunk.
+
+How calls are timed. Sync calls: the parent restarts a worker's clock on every result it receives, so the
+clock always times the call the worker is on; when it runs out, that call scores a timeout, the worker is
+killed and replaced, and the chunk's unfinished calls go back to the front of the queue. The first call's
+clock starts once its chunk is sent, so it also covers unpickling the chunk (milliseconds); later clocks
+start when the previous result arrives, a little after the call began, so they err towards lenient. Async
+calls are cut off by the worker itself (see `Scorer.acall`), so one hung request costs neither the worker
+nor the other calls; the parent only steps in, a grace period later, when a call blocks the worker's event
+loop (a blocking call inside `async def`), and then every async call still open in that chunk times out.
 
 Workers start with the "spawn" method (no inherited CUDA state or locks), load the functions once, and
 report ready; start-up time (often imports of torch and friends) never counts against a call.
@@ -29,71 +35,102 @@ import time
 import traceback
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
 from rewards.loader import load_reward_function
-from rewards.outcome import Outcome, evaluate
+from rewards.outcome import EventLoop, Outcome, OutcomeKind, Scorer, run_calls
 from rewards.types import RewardInput
 
-# (sample index, function index): one call of one reward function on one sample.
-Call = tuple[int, int]
 
-# Chunks per worker and batch: several, so a worker that drew slow samples does not hold up the batch.
+@dataclass(frozen=True)
+class RemoteFunction:
+    """A reward function as a worker loads it (`spec`, `kwargs`, `batched`) and as the parent schedules and
+    times it (`is_async`, which the parent read off the function it loaded itself)."""
+
+    spec: str
+    kwargs: dict[str, Any]
+    batched: bool = False
+    is_async: bool = False
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of one reward function: on one sample, or on all of them for a batched function."""
+
+    function: int
+    samples: tuple[int, ...]
+
+
+# Chunks per worker and batch for sync functions: several, so a worker that drew slow samples does not
+# hold up the batch.
 _CHUNKS_PER_WORKER = 4
 # A worker must report ready this soon after it is spawned; generous, as reward files may import big
 # libraries.
 _START_TIMEOUT_S = 120.0
 # How long close() lets workers exit on their own before killing them.
 _STOP_GRACE_S = 2.0
+# How long after an async call's own timeout the parent waits before it assumes the worker's event loop is
+# blocked and kills the worker: enough for the worker to report its own timeouts first.
+_ASYNC_GRACE_S = 1.0
 
 
 def _send(conn: Connection, message: object) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _serve(conn: Connection, functions: list[tuple[str, dict[str, Any]]]) -> None:
+def _serve(conn: Connection, functions: list[RemoteFunction], timeout_s: float) -> None:
     """Worker process: load the functions, report ready, then score chunks until told to stop.
 
     SIGINT is ignored so that Ctrl-C in the trainer is handled by the trainer, not by each worker.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        loaded = [(load_reward_function(spec), kwargs) for spec, kwargs in functions]
+        scorers = [Scorer(load_reward_function(f.spec), f.kwargs, f.batched) for f in functions]
     except Exception:
         _send(conn, ("start_failed", traceback.format_exc()))
         return
     _send(conn, ("ready", None))
+    loop = EventLoop()
+
+    def report(position: int, outcomes: list[Outcome]) -> None:
+        _send(conn, ("result", (position, outcomes)))
+
     with contextlib.suppress(EOFError, BrokenPipeError):
         while (chunk := pickle.loads(conn.recv_bytes())) is not None:
             samples, calls = chunk
-            for sample_index, function_index in calls:
-                fn, kwargs = loaded[function_index]
-                _send(conn, ("result", evaluate(fn, samples[sample_index], kwargs)))
+            work = [
+                (position, scorers[call.function], [samples[i] for i in call.samples])
+                for position, call in enumerate(calls)
+            ]
+            run_calls(work, timeout_s, loop, report)
+    loop.close()
 
 
 class _Worker:
     """One worker process and the chunk it is working through."""
 
-    def __init__(self, context: SpawnContext, functions: list[tuple[str, dict[str, Any]]]):
+    def __init__(self, context: SpawnContext, functions: list[RemoteFunction], timeout_s: float):
         self.conn, child_conn = context.Pipe()
         self.process: BaseProcess = context.Process(
-            target=_serve, args=(child_conn, functions), name="mmrl-reward-worker", daemon=True
+            target=_serve, args=(child_conn, functions, timeout_s), name="mmrl-reward-worker", daemon=True
         )
         self.process.start()
         # Drop the parent's copy of the child's end, so the parent sees EOF as soon as the child dies.
         child_conn.close()
         self.ready = False
         self.calls: list[Call] = []
-        self.done = 0
+        # Positions in `calls` not reported yet, in chunk order.
+        self.open: list[int] = []
         self.deadline = time.monotonic() + _START_TIMEOUT_S
 
     @property
     def waiting_on(self) -> bool:
         """True while the parent expects a message: start-up or a chunk in flight."""
-        return not self.ready or bool(self.calls)
+        return not self.ready or bool(self.open)
 
     def kill(self) -> None:
         self.process.kill()
@@ -109,12 +146,15 @@ class _Batch:
         self.samples = samples
         self.pending = deque(chunks)
         self.outcomes: list[list[Outcome | None]] = [[None] * len(samples) for _ in range(num_functions)]
-        self.missing = len(samples) * num_functions
+        self.missing = sum(len(call.samples) for chunk in chunks for call in chunk)
 
-    def record(self, call: Call, outcome: Outcome) -> None:
-        sample_index, function_index = call
-        self.outcomes[function_index][sample_index] = outcome
-        self.missing -= 1
+    def record(self, call: Call, outcomes: list[Outcome]) -> None:
+        for sample_index, outcome in zip(call.samples, outcomes, strict=True):
+            self.outcomes[call.function][sample_index] = outcome
+        self.missing -= len(call.samples)
+
+    def fail(self, call: Call, outcome: Outcome) -> None:
+        self.record(call, [outcome] * len(call.samples))
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -129,10 +169,22 @@ def _stop(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-class WorkerPool:
-    """`num_workers` processes running the given `(spec, kwargs)` reward functions on demand."""
+def _spread(num_samples: int, functions: list[int], num_chunks: int) -> list[list[Call]]:
+    """Contiguous runs of samples in about `num_chunks` chunks, each calling every one of `functions` on
+    each of its samples."""
+    if not functions:
+        return []
+    size = max(1, math.ceil(num_samples / num_chunks))
+    return [
+        [Call(f, (s,)) for s in range(start, min(start + size, num_samples)) for f in functions]
+        for start in range(0, num_samples, size)
+    ]
 
-    def __init__(self, functions: list[tuple[str, dict[str, Any]]], num_workers: int, timeout_s: float):
+
+class WorkerPool:
+    """`num_workers` processes running the given reward functions on demand."""
+
+    def __init__(self, functions: list[RemoteFunction], num_workers: int, timeout_s: float):
         self._functions = functions
         self._num_workers = num_workers
         self._timeout_s = timeout_s
@@ -159,19 +211,26 @@ class WorkerPool:
                 self._step(batch)
         except BaseException:
             # Interrupted mid-batch: results still in flight would be misread by the next batch.
-            for worker in [w for w in self._workers if w.calls]:
+            for worker in [w for w in self._workers if w.open]:
                 self._discard(worker)
             raise
         return cast(list[list[Outcome]], batch.outcomes)
 
     def _chunks(self, num_samples: int) -> list[list[Call]]:
-        size = max(1, math.ceil(num_samples / (self._num_workers * _CHUNKS_PER_WORKER)))
-        functions = range(len(self._functions))
-        starts = range(0, num_samples, size)
-        return [
-            [(s, f) for s in range(start, min(start + size, num_samples)) for f in functions]
-            for start in starts
-        ]
+        """Batched calls first, as they are the longest, then async chunks, then sync ones."""
+        if not num_samples:
+            return []
+        indices = range(len(self._functions))
+        every_sample = tuple(range(num_samples))
+        batched = [[Call(f, every_sample)] for f in indices if self._functions[f].batched]
+        single = [f for f in indices if not self._functions[f].batched]
+        concurrent = [f for f in single if self._functions[f].is_async]
+        sequential = [f for f in single if not self._functions[f].is_async]
+        return (
+            batched
+            + _spread(num_samples, concurrent, self._num_workers)
+            + _spread(num_samples, sequential, self._num_workers * _CHUNKS_PER_WORKER)
+        )
 
     def _step(self, batch: _Batch) -> None:
         """Hand out chunks, then wait for messages or the nearest deadline and act on what happened."""
@@ -180,10 +239,10 @@ class WorkerPool:
                 self._assign(worker, batch.pending.popleft(), batch)
         if not self._workers:
             # Every worker failed to start; fail the remaining calls instead of retrying forever.
-            detail = f"no reward worker could be started:\n{self._start_error}"
+            failed = Outcome("exception", detail=f"no reward worker could be started:\n{self._start_error}")
             while batch.pending:
                 for call in batch.pending.popleft():
-                    batch.record(call, Outcome("exception", detail=detail))
+                    batch.fail(call, failed)
             return
         busy = [w for w in self._workers if w.waiting_on]
         if not busy:
@@ -196,20 +255,22 @@ class WorkerPool:
         now = time.monotonic()
         for worker in [w for w in busy if w in self._workers and w.waiting_on and w.deadline <= now]:
             if worker.ready:
-                timed_out = Outcome("timeout", detail=f"no result within {self._timeout_s:g}s")
-                self._fail_current(worker, timed_out, batch)
+                self._fail_current(worker, "timeout", f"no result within {self._timeout_s:g}s", batch)
             else:
                 self._start_error = f"worker did not start within {_START_TIMEOUT_S:g}s"
                 self._discard(worker)
 
     def _assign(self, worker: _Worker, chunk: list[Call], batch: _Batch) -> None:
-        needed = {index: batch.samples[index] for index, _ in chunk}
+        needed = {index: batch.samples[index] for call in chunk for index in call.samples}
         try:
             payload = pickle.dumps((needed, chunk), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            detail = f"samples could not be pickled for a reward worker:\n{traceback.format_exc()}"
+            failed = Outcome(
+                "exception",
+                detail=f"samples could not be pickled for a reward worker:\n{traceback.format_exc()}",
+            )
             for call in chunk:
-                batch.record(call, Outcome("exception", detail=detail))
+                batch.fail(call, failed)
             return
         try:
             worker.conn.send_bytes(payload)
@@ -218,8 +279,9 @@ class WorkerPool:
             batch.pending.appendleft(chunk)
             self._replace(worker)
             return
-        worker.calls, worker.done = chunk, 0
-        worker.deadline = time.monotonic() + self._timeout_s
+        worker.calls, worker.open = chunk, list(range(len(chunk)))
+        grace = _ASYNC_GRACE_S if self._async_open(worker) else 0.0
+        worker.deadline = time.monotonic() + self._timeout_s + grace
 
     def _receive(self, worker: _Worker, batch: _Batch) -> None:
         """Drain a worker's messages; a closed pipe means the worker died."""
@@ -233,33 +295,42 @@ class WorkerPool:
                     self._discard(worker)
                     return
                 else:
-                    batch.record(worker.calls[worker.done], payload)
-                    worker.done += 1
-                    worker.deadline = time.monotonic() + self._timeout_s
-                    if worker.done == len(worker.calls):
-                        worker.calls = []
+                    position, outcomes = payload
+                    batch.record(worker.calls[position], outcomes)
+                    worker.open.remove(position)
+                    if not self._async_open(worker):  # the async calls share one fixed deadline
+                        worker.deadline = time.monotonic() + self._timeout_s
         except (EOFError, OSError):
             worker.process.join(1.0)
             if not worker.ready:
                 self._start_error = f"worker exited during start-up (exit code {worker.process.exitcode})"
                 self._discard(worker)
-            elif worker.calls:
+            elif worker.open:
                 detail = f"reward worker died (exit code {worker.process.exitcode}) during this call"
-                self._fail_current(worker, Outcome("exception", detail=detail), batch)
+                self._fail_current(worker, "exception", detail, batch)
             else:
                 self._replace(worker)
 
-    def _fail_current(self, worker: _Worker, outcome: Outcome, batch: _Batch) -> None:
-        """The worker's current call failed and the worker is unusable: record the failure, requeue the
-        rest of its chunk and replace it."""
-        batch.record(worker.calls[worker.done], outcome)
-        if rest := worker.calls[worker.done + 1 :]:
+    def _async_open(self, worker: _Worker) -> list[int]:
+        return [p for p in worker.open if self._functions[worker.calls[p].function].is_async]
+
+    def _fail_current(self, worker: _Worker, kind: OutcomeKind, detail: str, batch: _Batch) -> None:
+        """The worker's call in progress failed and the worker is unusable: record the failure, requeue the
+        rest of its chunk and replace it. While async calls are open they are all in progress at once, and
+        any of them may have blocked the loop, so all of them fail."""
+        concurrent = self._async_open(worker)
+        in_progress = concurrent or worker.open[:1]
+        if concurrent and kind == "timeout":
+            detail += "; the worker's event loop was blocked: is there a blocking call inside `async def`?"
+        for position in in_progress:
+            batch.fail(worker.calls[position], Outcome(kind, detail=detail))
+        if rest := [worker.calls[p] for p in worker.open if p not in in_progress]:
             batch.pending.appendleft(rest)
         self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:
         self._discard(worker)
-        self._workers.append(_Worker(self._context, self._functions))
+        self._workers.append(_Worker(self._context, self._functions, self._timeout_s))
 
     def _discard(self, worker: _Worker) -> None:
         worker.kill()
@@ -269,4 +340,4 @@ class WorkerPool:
         """Start workers up to the configured count; workers lost to start-up failures are retried here,
         once per batch."""
         while len(self._workers) < self._num_workers:
-            self._workers.append(_Worker(self._context, self._functions))
+            self._workers.append(_Worker(self._context, self._functions, self._timeout_s))

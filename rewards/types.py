@@ -10,8 +10,10 @@ from typing import Any
 from PIL import Image
 
 # A reward function is `fn(sample: RewardInput, **kwargs) -> float | dict[str, float]`. A dict must hold
-# "overall" (the score used for training); its other keys are only logged, as metrics.
-RewardFn = Callable[..., float | dict[str, float]]
+# "overall" (the score used for training); its other keys are only logged, as metrics. Declared
+# `batched: true` in the config, it is `fn(samples: list[RewardInput], **kwargs)` returning one such score
+# per sample, in order. Either kind may be `async def`; the reward layer awaits it.
+RewardFn = Callable[..., Any]
 
 
 @dataclass(frozen=True)

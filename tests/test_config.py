@@ -239,8 +239,3 @@ def test_unregistered_algorithm_names_fail_at_start_but_file_specs_pass() -> Non
     with pytest.raises(ConfigError, match=r"actor\.policy_loss"):
         load_config(QUICKSTART, ["actor.policy_loss=nope"])
     assert load_config(QUICKSTART, ["algorithm.adv_estimator=my.py:fn"]).algorithm.adv_estimator == "my.py:fn"
-
-
-def test_vllm_engine_is_refused_until_it_exists() -> None:
-    with pytest.raises(ConfigError, match=r"rollout\.engine=hf"):
-        load_config(QUICKSTART, ["rollout.engine=vllm"])

@@ -19,7 +19,7 @@ from mmrl.reward_models import (
     parse_verdict,
     prompt_sample,
 )
-from rewards import RewardInput
+from rewards import RewardInput, RewardManager
 
 RED, BLUE = Image.new("RGB", (56, 56), (220, 20, 20)), Image.new("RGB", (56, 84), (20, 20, 220))
 
@@ -134,3 +134,18 @@ def test_generative_judge_shows_the_images_and_counts_unparsed_replies(tiny_mode
     # A random-init judge replies gibberish: every reply is unparsed, scores 0, and is counted.
     assert judge.unparsed == 2 * sum(s["parsed"] == 0.0 for s in scores)
     assert all(s["overall"] == 0.0 for s in scores if s["parsed"] == 0.0)
+
+
+def test_model_rewards_are_named_in_the_config_like_any_grader(vision_rm, tiny_model_dir, tmp_path) -> None:
+    rm_dir = init_vision_reward_model(tiny_model_dir, tmp_path / "rm")
+    specs = [
+        {"name": "reward_model", "kwargs": {"path": str(rm_dir)}},
+        {"name": "llm_judge", "weight": 0.5, "kwargs": {"path": str(tiny_model_dir), "max_new_tokens": 3}},
+    ]
+    samples = _inputs()
+    with RewardManager(specs) as manager:  # batched by default: one forward pass per batch
+        result = manager.score(samples)
+    assert result.components["reward_model"] == pytest.approx(vision_rm(samples), abs=1e-5)
+    assert "llm_judge/parsed" in result.components and not result.failures
+    with pytest.raises(ValueError, match="scores whole batches"):
+        RewardManager([{**specs[0], "batched": False}])

@@ -4,34 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image
+from helpers import mixed_prompts
 
 from mmrl.actor import forward_logprobs
-from mmrl.data import PromptSample
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
-from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
-
-BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=112 * 112)
-
-
-def _prompts(processor, with_text_only: bool = True) -> list[PromptSample]:
-    tok = processor.tokenizer
-    samples = []
-    for i, (size, colour) in enumerate(
-        [((112, 112), (220, 20, 20)), ((56, 140), (20, 20, 220)), ((84, 84), (0, 160, 0))]
-    ):
-        image = fit_image(Image.new("RGB", size, colour), BUDGET)
-        count = num_image_tokens(image.height, image.width, BUDGET)
-        ids = encode_prompt(tok, build_messages("<image>What colour is the shape?", 1), [count])
-        inputs = pixel_inputs([image], processor.image_processor)
-        samples.append(
-            PromptSample(i, ids, "q", "red", [image], [], inputs["pixel_values"], inputs["image_grid_thw"])
-        )
-    if with_text_only:
-        ids = encode_prompt(tok, build_messages("How many circles?", 0), [])
-        samples.insert(1, PromptSample(9, ids, "q", "one"))
-    return samples
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +18,7 @@ def engine(tiny_model_dir):
 
 
 def test_sampled_logprobs_match_training_forward_on_mixed_batch(engine) -> None:
-    prompts = _prompts(load_processor_of(engine))
+    prompts = mixed_prompts(load_processor_of(engine))
     torch.manual_seed(0)
     batch = engine.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=12, logprobs=True))
     assert len(batch) == 12 and batch["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
@@ -57,7 +34,7 @@ def test_sampled_logprobs_match_training_forward_on_mixed_batch(engine) -> None:
 
 
 def test_response_mask_ends_at_first_stop_and_placeholders_are_never_sampled(engine) -> None:
-    prompts = _prompts(load_processor_of(engine), with_text_only=False)
+    prompts = mixed_prompts(load_processor_of(engine), with_text_only=False)
     torch.manual_seed(1)
     batch = engine.generate(prompts, SamplingParams(n=4, temperature=1.5, max_new_tokens=10))
     ids, mask = batch["response_ids"], batch["response_mask"]
@@ -77,7 +54,7 @@ def test_response_mask_ends_at_first_stop_and_placeholders_are_never_sampled(eng
 
 
 def test_greedy_is_deterministic(engine) -> None:
-    prompts = _prompts(load_processor_of(engine))
+    prompts = mixed_prompts(load_processor_of(engine))
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
     a, b = engine.generate(prompts, params), engine.generate(prompts, params)
     assert torch.equal(a["response_ids"], b["response_ids"])
@@ -91,7 +68,7 @@ def test_image_placeholder_is_blocked_even_when_it_is_the_most_likely_token(tiny
     model = load_policy(tiny_model_dir)
     processor = load_processor(tiny_model_dir)
     engine = HFEngine(model, processor)
-    prompts = _prompts(processor, with_text_only=False)
+    prompts = mixed_prompts(processor, with_text_only=False)
     pad = model.config.image_token_id
     # Point the image-pad output row along the mean final hidden state, so greedy decoding would
     # choose it at every step if the engine did not suppress it. (Inputs never read this row:

@@ -25,7 +25,7 @@ from mmrl.algorithms.kl_control import (
     KLController,
     kl_reward_penalty,
 )
-from mmrl.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from mmrl.algorithms.logits import BLOCKED_LOGIT, block_tokens, entropy_from_logits, logprobs_from_logits
 from mmrl.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from mmrl.algorithms.policy_loss import (
     POLICY_LOSSES,
@@ -41,6 +41,7 @@ from mmrl.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BLOCKED_LOGIT",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -48,6 +49,7 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "agg_loss",
+    "block_tokens",
     "clipped_value_loss",
     "drgrpo",
     "dual_clip",

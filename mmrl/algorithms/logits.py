@@ -5,6 +5,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# The logit of a blocked token: its probability underflows to exactly 0, yet 0·logit stays finite, so
+# entropies and gradients never see inf − inf.
+BLOCKED_LOGIT = -1e9
+
+
+def block_tokens(logits: Tensor, token_ids: list[int]) -> Tensor:
+    """`logits` with the given vocabulary entries set to BLOCKED_LOGIT (out of place, grad-safe): the
+    distribution the engines actually sample from, which never emits those tokens."""
+    if not token_ids:
+        return logits
+    return logits.index_fill(-1, torch.tensor(token_ids, device=logits.device), BLOCKED_LOGIT)
+
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """H = −Σ_v p_v log p_v = logsumexp(z) − Σ_v p_v z_v, over the last axis.

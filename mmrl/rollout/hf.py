@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from mmrl.algorithms import logprobs_from_logits
+from mmrl.algorithms import block_tokens, logprobs_from_logits
 from mmrl.batch import Batch
 from mmrl.data import PromptSample
-from mmrl.models import autocast_for
+from mmrl.models import autocast_for, never_generated_ids
 from mmrl.rollout.base import SamplingParams
 
 
@@ -39,17 +39,14 @@ def vision_inputs(prompts: list[PromptSample]) -> dict[str, torch.Tensor]:
 class HFEngine:
     """`model.generate` over left-padded prompts; placeholders can never be sampled."""
 
+    logprobs_are_free = False  # they cost a (B, V) logits tensor per step
+
     def __init__(self, model: Any, processor: Any, compute_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.compute_dtype = compute_dtype
         self.tokenizer = processor.tokenizer
         cfg = model.config
-        self.blocked = [
-            cfg.image_token_id,
-            cfg.video_token_id,
-            cfg.vision_start_token_id,
-            cfg.vision_end_token_id,
-        ]
+        self.blocked = never_generated_ids(cfg)
         eos = model.generation_config.eos_token_id
         self.eos_ids = sorted(
             {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
@@ -86,7 +83,9 @@ class HFEngine:
         if params.logprobs:
             scale = 1.0 if params.greedy else params.temperature
             steps = [
-                logprobs_from_logits(step.float().unsqueeze(1) / scale, response[:, t : t + 1])
+                logprobs_from_logits(
+                    block_tokens(step.float().unsqueeze(1), self.blocked) / scale, response[:, t : t + 1]
+                )
                 for t, step in enumerate(out.logits)
             ]
             tensors["rollout_logprobs"] = (torch.cat(steps, dim=1) * response_mask).cpu()
@@ -126,3 +125,6 @@ class HFEngine:
 
     def sync_weights(self) -> None:
         """Nothing to copy: this engine generates with the training model object itself."""
+
+    def sleep(self) -> None:
+        """Nothing to free: `generate` keeps no cache between calls."""

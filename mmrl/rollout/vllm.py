@@ -1,0 +1,278 @@
+"""The vLLM rollout engine: an offline `vllm.LLM` in the trainer's process, colocated with training.
+
+Why in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor): weight sync then hands
+vLLM the trainer's own tensors one at a time through `reload_weights`, so no second full copy of the
+model is ever built and nothing is pickled. Prompts go in as token ids with one image placeholder per
+image (vLLM expands it), and the images are the ones `processors` already sized, with the same pixel
+budget given to vLLM's processor, so its placeholder count equals the trainer's; the first batch checks
+this instead of assuming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.algorithms import BLOCKED_LOGIT
+from mmrl.batch import Batch
+from mmrl.data import PromptSample
+from mmrl.models import never_generated_ids
+from mmrl.rollout.base import SamplingParams
+
+log = logging.getLogger("mmrl.rollout.vllm")
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The engine's knobs (config `rollout.vllm`); `kv_cache_gb` applies on CPU only."""
+
+    gpu_memory_utilization: float = 0.6
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    kv_cache_gb: float = 1.0
+    sleep_between_rollouts: bool = True
+    verify_sync_every: int = 10
+
+
+class WeightSyncError(RuntimeError):
+    """vLLM's log-probs disagree with the trainer's after a weight sync."""
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def checkpoint_names(model: Any) -> Any:
+    """The policy's tensors under the names its saved checkpoint uses (what vLLM's loader expects),
+    yielded one at a time. transformers nests the language model as `model.language_model.*` in memory
+    but saves it as `model.*`; a tied LM head is not saved at all."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        elif name.startswith("model.visual."):
+            name = name[len("model.") :]
+        yield name, tensor.detach()
+
+
+def collapse_image_pads(ids: list[int], image_pad: int) -> list[int]:
+    """Prompt ids with each run of image placeholders cut to one: vLLM expands each to its image's
+    token count itself, and would expand an already-expanded run again."""
+    return [t for i, t in enumerate(ids) if not (t == image_pad and i and ids[i - 1] == image_pad)]
+
+
+class VLLMEngine:
+    """Generates with vLLM; `sync_weights` streams the policy's weights in and verifies them."""
+
+    logprobs_are_free = True
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        model_path: str | Path,
+        compute_dtype: torch.dtype,
+        settings: VLLMSettings,
+        min_pixels: int,
+        max_pixels: int,
+        seed: int = 0,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gb))))
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.model = model
+        self.tokenizer = processor.tokenizer
+        self.settings = settings
+        self.compute_dtype = compute_dtype
+        cfg = model.config
+        self.image_pad = cfg.image_token_id
+        self.blocked = never_generated_ids(cfg)
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = sorted(
+            {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
+        )
+        self.can_sleep = settings.sleep_between_rollouts and current_platform.is_sleep_mode_available()
+        self.llm = LLM(
+            model=str(model_path),
+            dtype=compute_dtype,
+            seed=seed,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            enforce_eager=settings.enforce_eager,
+            distributed_executor_backend="uni" if settings.tensor_parallel_size == 1 else None,
+            enable_sleep_mode=self.can_sleep,
+            # The log-probs of the distribution actually sampled from (after temperature), which is
+            # what the trainer's softmax(logits / T) computes.
+            logprobs_mode="processed_logprobs",
+            limit_mm_per_prompt={"image": 8, "video": 0},
+            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+        )
+        self.syncs = 0
+        self._checked_placeholders = False
+        self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        from vllm import SamplingParams as VSamplingParams
+
+        self._wake()
+        requests = [self._request(p) for p in prompts]
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # reproducible from the torch RNG
+        sampling = [
+            VSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=sorted({*self.eos_ids, *params.stop_token_ids}),
+                logprobs=0 if params.logprobs else None,
+                logit_bias={t: BLOCKED_LOGIT for t in self.blocked},
+                seed=seed,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        self._check_placeholders(prompts, outputs)
+        self.llm.reset_mm_cache()  # the preprocessed images of this batch are never seen again
+        return self._to_batch(prompts, outputs, params)
+
+    def _request(self, prompt: PromptSample) -> dict[str, Any]:
+        request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(prompt.prompt_ids, self.image_pad)}
+        if prompt.images:
+            request["multi_modal_data"] = {"image": list(prompt.images)}
+        return request
+
+    def _check_placeholders(self, prompts: list[PromptSample], outputs: list[Any]) -> None:
+        """vLLM's expanded prompt must be the trainer's, token for token, or log-probs would be of a
+        different input; checked on the first batch (image sizing never changes afterwards)."""
+        if self._checked_placeholders:
+            return
+        for prompt, out in zip(prompts, outputs, strict=True):
+            if list(out.prompt_token_ids) != list(prompt.prompt_ids):
+                raise RuntimeError(
+                    f"vLLM expanded prompt {prompt.row_id} to {len(out.prompt_token_ids)} tokens, the trainer "
+                    f"to {len(prompt.prompt_ids)}: the image placeholder counts differ. Check that "
+                    "data.min_pixels/max_pixels match the model's processor and that images are not resized."
+                )
+        self._checked_placeholders = True
+
+    def _to_batch(self, prompts: list[PromptSample], outputs: list[Any], params: SamplingParams) -> Batch:
+        rows = [c for out in outputs for c in out.outputs]
+        width = max(1, max(len(c.token_ids) for c in rows))
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width))
+        for i, c in enumerate(rows):
+            tokens = list(c.token_ids)
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, : len(tokens)] = 1
+            if params.logprobs:
+                logprobs[i, : len(tokens)] = torch.tensor(
+                    [lp[t].logprob for lp, t in zip(c.logprobs, tokens, strict=True)]
+                )
+        tensors = {
+            "prompt_index": torch.arange(len(prompts)).repeat_interleave(params.n),
+            "response_ids": ids,
+            "response_mask": mask,
+            "truncated": torch.tensor([c.finish_reason == "length" for c in rows]),
+        }
+        if params.logprobs:
+            tensors["rollout_logprobs"] = logprobs
+        batch = Batch(tensors=tensors, prompts=prompts)
+        batch.set(
+            response_text=self.tokenizer.batch_decode(
+                [list(c.token_ids) for c in rows], skip_special_tokens=True
+            )
+        )
+        return batch
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self) -> None:
+        """Stream the policy's current weights into vLLM, drop every cache computed with the old ones,
+        and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs."""
+        self._wake()
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": checkpoint_names(self.model), "is_checkpoint_format": True},
+        )
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.llm.apply_model(_retie_lm_head)
+        self.llm.llm_engine.reset_encoder_cache()  # vision features of the old weights
+        self.llm.reset_prefix_cache()  # KV of the old weights
+        every = self.settings.verify_sync_every
+        if every and self.syncs % every == 0:
+            self.verify()
+        self.syncs += 1
+
+    def verify(self, tolerance: float | None = None) -> float:
+        """Max |log-prob difference| between vLLM and the trainer's forward on a short sampled probe;
+        raises WeightSyncError above `tolerance` (fp32 1e-3, lower precisions 0.1 by default)."""
+        from mmrl.actor import forward_logprobs
+
+        tolerance = tolerance or (1e-3 if self.compute_dtype == torch.float32 else 0.1)
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Describe the picture."}], tokenize=False, add_generation_prompt=True
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        probe = PromptSample(-1, ids, "probe", None)
+        with torch.random.fork_rng(devices=[]):
+            batch = self.generate(
+                [probe], SamplingParams(n=1, temperature=1.0, max_new_tokens=4, logprobs=True)
+            )
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            ours, _ = forward_logprobs(
+                self.model, batch, self.tokenizer.pad_token_id, 1.0, compute_dtype=self.compute_dtype
+            )
+        self.model.train(was_training)
+        mask = batch["response_mask"].bool()
+        diff = float((ours.cpu() - batch["rollout_logprobs"])[mask].abs().max())
+        if diff > tolerance:
+            raise WeightSyncError(
+                f"after weight sync {self.syncs}, vLLM's log-probs differ from the trainer's by {diff:.3g} "
+                f"(> {tolerance}): the weights did not arrive. This is a bug; please report it with your vLLM version."
+            )
+        log.debug("weight sync %d verified: max |dlogp| = %.2e", self.syncs, diff)
+        return diff
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Free the KV cache while training runs, where the platform supports it (CUDA)."""
+        if self.can_sleep and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+
+def _retie_lm_head(model: Any) -> None:
+    """After a reload vLLM's tied LM head still computes with the old embedding matrix: on CPU it keeps
+    a packed copy made at load time. Re-tie it and rebuild that copy from the new weights."""
+    lm = model.language_model
+    if lm.lm_head.weight.data_ptr() != lm.model.embed_tokens.weight.data_ptr():
+        lm.lm_head.tie_weights(lm.model.embed_tokens)
+    lm.lm_head.quant_method.process_weights_after_loading(lm.lm_head)

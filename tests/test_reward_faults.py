@@ -1,0 +1,110 @@
+"""Reward functions that raise, hang or return NaN in a real training run: the run finishes, every failure
+is counted under its kind, and the failed samples score 0 while the good function's scores stand."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import textwrap
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mmrl.cli import main
+from mmrl.logger import read_metrics
+
+FAST = [
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.progress=false",
+    "trainer.loggers=[jsonl]",
+    "warmup.steps=0",
+    "data.train_batch_size=4",
+    "actor.mini_batch_size=4",
+    "rollout.n=2",
+]
+RESPONSES_PER_PROMPT = 2  # rollout.n above
+
+# Each row names the fault its responses trigger: which samples fail is known from `data/rows` alone.
+FAULTS = ["ok", "raise", "hang", "nan", "ok", "raise", "nan", "ok"]
+# reward function -> (the fault that breaks it, the failure kind it must be counted as)
+BROKEN = {"raises": ("raise", "exception"), "sleeps": ("hang", "timeout"), "nan": ("nan", "invalid")}
+
+REWARDS = """
+    import math
+    import time
+
+    def raises(sample):
+        if sample.extra["fault"] == "raise":
+            raise RuntimeError("the judge rejected this sample")
+        return 1.0
+
+    def sleeps(sample):
+        if sample.extra["fault"] == "hang":
+            time.sleep(60)
+        return 1.0
+
+    def nan(sample):
+        return math.nan if sample.extra["fault"] == "nan" else 1.0
+
+    def good(sample):
+        return 1.0
+"""
+
+
+def _dataset(folder: Path) -> Path:
+    folder.mkdir()
+    Image.new("RGB", (56, 56), (210, 0, 0)).save(folder / "red.png")
+    rows = [
+        {"problem": "<image>What colour is the shape?", "answer": "red", "images": ["red.png"], "fault": f}
+        for f in FAULTS
+    ]
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # ~20 s on an idle 2-core machine
+def test_raising_hanging_and_nan_rewards_are_counted_and_score_zero(tmp_path, tiny_model_dir) -> None:
+    data = _dataset(tmp_path / "data")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(textwrap.dedent(REWARDS))
+    functions = ", ".join(f"{{name: {rewards}:{name}}}" for name in [*BROKEN, "good"])
+    run = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "configs/quickstart.yaml",
+            f"model.path={tiny_model_dir}",
+            f"data.train_files={data}",
+            "data.val_files=[]",
+            "data.min_pixels=3136",
+            f"trainer.output_dir={run}",
+            f"reward.functions=[{functions}]",
+            "reward.isolation=process",
+            "reward.timeout_s=2",
+            *FAST,
+        ]
+    )
+    assert code == 0
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert sorted(row for r in records for row in r["data/rows"]) == list(range(len(FAULTS)))
+
+    for r in records:
+        faults = [FAULTS[row] for row in r["data/rows"]]
+        samples = RESPONSES_PER_PROMPT * len(faults)
+        means = []
+        for name, (fault, kind) in BROKEN.items():
+            failed = RESPONSES_PER_PROMPT * faults.count(fault)
+            assert r.get(f"reward/failures/{name}/{kind}", 0) == failed, (name, r["step"])
+            means.append(1.0 - failed / samples)  # 1.0 where the call worked, 0 where it failed
+            assert r[f"reward/{name}"] == pytest.approx(means[-1]), (name, r["step"])
+        assert r["reward/good"] == 1.0, "a failed call must not cost the sample its other scores"
+        assert r["reward/mean"] == pytest.approx(1.0 + sum(means))
+    failures = {k for r in records for k in r if k.startswith("reward/failures/")}
+    assert failures == {f"reward/failures/{name}/{kind}" for name, (_, kind) in BROKEN.items()}
+    assert not [p for p in multiprocessing.active_children() if p.name == "mmrl-reward-worker"]
