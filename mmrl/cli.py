@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mmrl.config import Config, ConfigError, dump_config, load_config
+from mmrl.errors import RolloutError
 
 
 def _preflight(cfg: Config) -> None:
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         return 2
+    except RolloutError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":

@@ -279,6 +279,17 @@ class Config(_Section):
                     f"{name}.n={sampling.n} with {name}.temperature=0 samples the same greedy answer n times; "
                     f"set {name}.temperature > 0 or {name}.n=1"
                 )
+        vllm_len = self.rollout.vllm.max_model_len
+        if (
+            self.rollout.engine != "hf"
+            and self.data.max_prompt_length + self.rollout.max_new_tokens > vllm_len
+        ):
+            raise ValueError(
+                f"data.max_prompt_length ({self.data.max_prompt_length}) + rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}) exceeds rollout.vllm.max_model_len ({vllm_len}): vLLM would "
+                "reject the longest prompts mid-run. Raise max_model_len or lower one of the two "
+                "(longer prompts are skipped and counted as prompt_too_long)."
+            )
         _check_registered("algorithm.adv_estimator", self.algorithm.adv_estimator, "ADVANTAGE_ESTIMATORS")
         _check_registered("actor.policy_loss", self.actor.policy_loss, "POLICY_LOSSES")
         algo = self.algorithm

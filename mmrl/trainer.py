@@ -6,6 +6,7 @@ import copy
 import logging
 import random
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -39,6 +40,7 @@ from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptDataset, PromptLoader, PromptSample
+from mmrl.errors import RolloutError
 from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.models import load_policy, load_processor, resolve_dtype
@@ -216,7 +218,7 @@ class Trainer:
 
     def _scored_rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
         """Generate for the loader's next prompts and score them, overlong shaping included."""
-        with timer("rollout"):
+        with timer("rollout"), self._engine_errors("rollout"):
             batch = self.engine.generate(self.loader.next_batch(), self.train_sampling)
             self.engine.sleep()
         with timer("reward"):
@@ -272,7 +274,10 @@ class Trainer:
             self.kl_ctrl.update(kl, n_steps=len(scores))
         extra: dict[str, Any] = {"values": batch["values"]} if "values" in batch else {}
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
-            greedy = self.engine.generate(batch.prompts, replace(self.train_sampling, n=1, temperature=0.0))
+            with self._engine_errors("ReMax baseline rollout"):
+                greedy = self.engine.generate(
+                    batch.prompts, replace(self.train_sampling, n=1, temperature=0.0)
+                )
             baseline, _ = self.score(greedy, prefix="remax")
             extra["baseline_scores"] = baseline[batch["prompt_index"]]
         return self.advantage(
@@ -297,9 +302,10 @@ class Trainer:
         )
         if not self.val_samples:
             return {}
-        inputs, result = generate_and_score(
-            self.engine, self.rewards, self.val_samples, params, self.cfg.data.val_batch_size
-        )
+        with self._engine_errors("validation"):
+            inputs, result = generate_and_score(
+                self.engine, self.rewards, self.val_samples, params, self.cfg.data.val_batch_size
+            )
         metrics = reward_metrics(result, prefix="val")
         key = f"val/{self.accuracy_key}"
         metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
@@ -372,6 +378,19 @@ class Trainer:
         self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if self.critic is not None and not self.cfg.critic.model_path:
             self.critic = self._make_critic(self.run_dir / "warmup_model")  # the critic starts where RL does
+
+    @contextmanager
+    def _engine_errors(self, what: str) -> Iterator[None]:
+        """An engine crash (vLLM out of memory, a dead engine process) stops the run with an error that
+        names the step, instead of a bare traceback from deep inside the engine."""
+        try:
+            yield
+        except Exception as err:
+            raise RolloutError(
+                f"step {self.step}: the {type(self.engine).__name__} failed during {what}: {err!r}. Checkpoints "
+                f"up to the last save are intact in {self.run_dir / 'checkpoints'}; fix the cause and run "
+                "again with --resume."
+            ) from err
 
     def _optimizer_steps(self, epochs: int) -> int:
         """Optimizer steps over the whole run, the length of the learning-rate schedule."""

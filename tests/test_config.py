@@ -239,3 +239,14 @@ def test_unregistered_algorithm_names_fail_at_start_but_file_specs_pass() -> Non
     with pytest.raises(ConfigError, match=r"actor\.policy_loss"):
         load_config(QUICKSTART, ["actor.policy_loss=nope"])
     assert load_config(QUICKSTART, ["algorithm.adv_estimator=my.py:fn"]).algorithm.adv_estimator == "my.py:fn"
+
+
+def test_vllm_length_budget_is_checked_at_start() -> None:
+    with pytest.raises(ConfigError, match=r"exceeds rollout\.vllm\.max_model_len"):
+        load_config(
+            QUICKSTART,
+            ["rollout.engine=vllm", "data.max_prompt_length=1024", "rollout.vllm.max_model_len=1024"],
+        )
+    assert load_config(
+        QUICKSTART, ["rollout.engine=hf", "data.max_prompt_length=1024", "rollout.vllm.max_model_len=1024"]
+    )

