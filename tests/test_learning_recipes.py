@@ -1,5 +1,5 @@
-"""The DAPO, Dr.GRPO and PPO (GAE with a critic) recipes learn the quickstart's visual task as the
-GRPO recipe does."""
+"""The DAPO, Dr.GRPO and PPO (GAE with a critic) recipes, and the GRPO recipe with the vLLM engine, learn
+the quickstart's visual task as the GRPO recipe with the HF engine does."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from mmrl.cli import main
 from mmrl.logger import read_metrics
+from mmrl.rollout.vllm import vllm_available
 from mmrl.synthetic import generate
 
 
@@ -21,13 +22,20 @@ def colour_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("recipe", ["quickstart_dapo", "quickstart_drgrpo", "quickstart_ppo"])
+@pytest.mark.parametrize(
+    "recipe", ["quickstart_dapo", "quickstart_drgrpo", "quickstart_ppo", "quickstart+vllm"]
+)
 def test_recipe_learns_colour_from_pixels(recipe: str, colour_data: Path, tmp_path, tiny_model_dir) -> None:
     run = tmp_path / recipe
+    config, _, engine = recipe.partition("+")
+    if engine and not vllm_available():
+        pytest.skip("vLLM is not installed (install requirements-test.lock)")
+    engine_overrides = [f"rollout.engine={engine}", "rollout.vllm.max_model_len=512"] if engine else []
     code = main(
         [
             "train",
-            f"configs/{recipe}.yaml",
+            f"configs/{config}.yaml",
+            *engine_overrides,
             f"model.path={tiny_model_dir}",
             f"data.train_files={colour_data / 'train.jsonl'}",
             f"data.val_files={colour_data / 'val.jsonl'}",
@@ -46,6 +54,10 @@ def test_recipe_learns_colour_from_pixels(recipe: str, colour_data: Path, tmp_pa
     assert last - first >= 0.3, f"{recipe}: validation accuracy went {first:.3f} -> {last:.3f}"
     if recipe == "quickstart_dapo":
         assert any(r.get("dynamic_sampling/filtered_groups", 0) > 0 for r in records)
+    if engine:  # the engine sampled what the trainer trained on: log-probs agree token for token
+        assert (
+            max(r["actor/rollout_logprob_diff"] for r in records if "actor/rollout_logprob_diff" in r) < 1e-3
+        )
     if recipe == "quickstart_ppo":
         steps = [r for r in records if r["step"] > 0]
         # critic.pretrain_steps=5: the critic trains alone first, then both train.
