@@ -1,24 +1,48 @@
-"""Image inputs for Qwen-VL-style models: loading, the one sizing rule, prompts and mRoPE positions.
+"""Image and video inputs for Qwen-VL-style models: loading, the sizing rules, prompts and mRoPE positions.
 
-Rollout and training both go through `fit_image`, so the number of image placeholder tokens
-in a prompt always equals the number of features the vision tower produces.
+Rollout and training both go through `fit_image` and `read_video` (with `video_frame_size`), so the
+number of image and video placeholder tokens in a prompt always equals the number of features
+the vision tower produces.
 """
 
-from processors.chat import build_messages, encode_prompt, split_image_markers
+from processors.chat import build_messages, encode_prompt, split_image_markers, split_media_markers
 from processors.image import ImageError, PixelBudget, fit_image, load_image, num_image_tokens, smart_size
 from processors.rope import mrope_position_ids
+from processors.video import (
+    FramePlan,
+    Video,
+    VideoBudget,
+    VideoError,
+    num_video_tokens,
+    plan_frames,
+    read_video,
+    video_frame_size,
+    video_grid_thw,
+    video_pixel_inputs,
+)
 from processors.vision import pixel_inputs
 
 __all__ = [
+    "FramePlan",
     "ImageError",
     "PixelBudget",
+    "Video",
+    "VideoBudget",
+    "VideoError",
     "build_messages",
     "encode_prompt",
     "fit_image",
     "load_image",
     "mrope_position_ids",
     "num_image_tokens",
+    "num_video_tokens",
     "pixel_inputs",
+    "plan_frames",
+    "read_video",
     "smart_size",
     "split_image_markers",
+    "split_media_markers",
+    "video_frame_size",
+    "video_grid_thw",
+    "video_pixel_inputs",
 ]

@@ -1,11 +1,16 @@
-"""Chat messages with image parts, and prompt token ids with placeholders expanded."""
+"""Chat messages with image and video parts, and prompt token ids with placeholders expanded."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+_KINDS = {IMAGE_MARKER: "image", VIDEO_MARKER: "video", IMAGE_PAD: "image", VIDEO_PAD: "video"}
 
 
 def split_image_markers(text: str, num_images: int) -> list[dict[str, Any]]:
@@ -15,40 +20,69 @@ def split_image_markers(text: str, num_images: int) -> list[dict[str, Any]]:
     marker count that disagrees with the image count raises ValueError, because guessing
     would silently pair the wrong image with the wrong words.
     """
-    pieces = text.split(IMAGE_MARKER)
-    markers = len(pieces) - 1
-    if markers == 0:
-        parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
-        return [*parts, {"type": "text", "text": text}] if text else parts
-    if markers != num_images:
-        raise ValueError(f"prompt has {markers} {IMAGE_MARKER} markers but the row has {num_images} images")
-    parts = []
-    for i, piece in enumerate(pieces):
-        if piece:
+    return _split_markers(text, {IMAGE_MARKER: num_images})
+
+
+def split_media_markers(text: str, num_images: int, num_videos: int) -> list[dict[str, Any]]:
+    """Content parts for a turn with images and videos: `<image>` and `<video>` markers, in order.
+
+    Each kind is checked on its own, as in `split_image_markers`; a kind without markers puts
+    its parts in front, images before videos.
+    """
+    return _split_markers(text, {IMAGE_MARKER: num_images, VIDEO_MARKER: num_videos})
+
+
+def _split_markers(text: str, counts: dict[str, int]) -> list[dict[str, Any]]:
+    pieces = re.split(f"({'|'.join(map(re.escape, counts))})", text)
+    parts: list[dict[str, Any]] = []
+    for marker, count in counts.items():
+        found = pieces.count(marker)
+        if found == 0:
+            parts += [{"type": _KINDS[marker]} for _ in range(count)]
+        elif found != count:
+            raise ValueError(f"prompt has {found} {marker} markers but the row has {count} {_KINDS[marker]}s")
+    for piece in pieces:
+        if piece in counts:
+            parts.append({"type": _KINDS[piece]})
+        elif piece:
             parts.append({"type": "text", "text": piece})
-        if i < markers:
-            parts.append({"type": "image"})
     return parts
 
 
-def build_messages(text: str, num_images: int, system: str | None = None) -> list[dict[str, Any]]:
-    """A single-turn conversation, optionally with a system prompt."""
+def build_messages(
+    text: str, num_images: int, system: str | None = None, *, num_videos: int | None = None
+) -> list[dict[str, Any]]:
+    """A single-turn conversation, optionally with a system prompt.
+
+    `num_videos=None` (rows without a video column) leaves `<video>` as plain text, as before
+    videos were supported; a count, even 0, makes `<video>` a marker that must match it.
+    """
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": split_image_markers(text, num_images)})
+    if num_videos is None:
+        content = split_image_markers(text, num_images)
+    else:
+        content = split_media_markers(text, num_images, num_videos)
+    messages.append({"role": "user", "content": content})
     return messages
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict[str, Any]], tokens_per_image: list[int]) -> list[int]:
-    """Render the chat template and tokenise, expanding each image pad to its feature count."""
+def encode_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tokens_per_image: Sequence[int],
+    tokens_per_video: Sequence[int] = (),
+) -> list[int]:
+    """Render the chat template and tokenise, expanding each image and video pad to its feature count."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    chunks = text.split(IMAGE_PAD)
-    if len(chunks) - 1 != len(tokens_per_image):
-        raise ValueError(
-            f"chat template produced {len(chunks) - 1} image pads for {len(tokens_per_image)} images"
-        )
-    expanded = chunks[0]
-    for count, chunk in zip(tokens_per_image, chunks[1:], strict=True):
-        expanded += IMAGE_PAD * count + chunk
+    pieces = re.split(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})", text)
+    counts = {IMAGE_PAD: list(tokens_per_image), VIDEO_PAD: list(tokens_per_video)}
+    for pad, per_item in counts.items():
+        found = pieces.count(pad)
+        if found != len(per_item):
+            kind = _KINDS[pad]
+            raise ValueError(f"chat template produced {found} {kind} pads for {len(per_item)} {kind}s")
+    queues = {pad: iter(per_item) for pad, per_item in counts.items()}
+    expanded = "".join(piece * next(queues[piece]) if piece in queues else piece for piece in pieces)
     return tokenizer(expanded, add_special_tokens=False)["input_ids"]

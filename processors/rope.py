@@ -1,9 +1,16 @@
 """Qwen2.5-VL multimodal rotary position ids (mRoPE), computed without the model.
 
-Text tokens advance all three axes (temporal, height, width) together. An image's tokens
-take a (t, h, w) grid offset by the running position, and the text after it resumes at
-1 + the largest id used so far. Padding (attention_mask == 0) gets 0 and is skipped.
-Tested against the model's own `get_rope_index` so the two can never drift apart.
+Text tokens advance all three axes (temporal, height, width) together. An image's or video's
+tokens take a (t, h, w) grid offset by the running position, and the text after it resumes
+max(h, w) / merge positions later, as transformers' `get_rope_index` does. A video's temporal
+axis is spaced by `second_per_grid_ts * tokens_per_second` (truncated to integers), so the same
+clip sampled at different rates keeps positions proportional to real time. Padding
+(attention_mask == 0) gets 0 and is skipped. Tested against the model's own `get_rope_index`
+for images, videos and both mixed, so the two can never drift apart.
+
+Caveat for videos: vLLM (and transformers before 5.3) resume text at 1 + the largest id so far,
+which differs from the rule above once a video's temporal ids outrun its max(h, w) grid, and
+transformers' own decoding step continues from that largest id too.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ def mrope_position_ids(
     grids = {image_token_id: iter(image_grid_thw.tolist() if image_grid_thw is not None else [])}
     grids[video_token_id] = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
     # Videos without timing metadata default to one second per temporal grid, as the model does.
-    seconds = iter(second_per_grid_ts.tolist()) if second_per_grid_ts is not None else itertools.repeat(1.0)
+    # The step stays a tensor of the caller's dtype so truncation rounds exactly as in the model.
+    seconds = iter(second_per_grid_ts.cpu()) if second_per_grid_ts is not None else itertools.repeat(1.0)
     ids_cpu = input_ids.cpu()
     mask_cpu = attention_mask.cpu().bool()
     for b in range(batch):
