@@ -21,6 +21,7 @@ import torch
 
 log = logging.getLogger("mmrl.checkpoint")
 MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp_step_"  # + step + writer pid: a checkpoint being written, or torn by a crash
 
 
 def rng_state() -> dict[str, Any]:
@@ -53,19 +54,26 @@ def _fsync_tree(folder: Path) -> None:
 def save_checkpoint(
     root: Path, step: int, model: Any, processor: Any, state: dict[str, Any], keep: int
 ) -> Path:
-    """Write `root/step_NNNNNNNN` atomically: an HF model folder plus optimizer/trainer state."""
+    """Write `root/step_NNNNNNNN` atomically: an HF model folder plus optimizer/trainer state.
+
+    If writing fails (a full disk, Ctrl-C), the temporary folder is removed before the error goes
+    on: it would hold a checkpoint's worth of space and be of no use to anyone."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp / "model")
-    processor.save_pretrained(tmp / "model")
-    torch.save(state, tmp / "trainer_state.pt")
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    _fsync_tree(tmp)
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
-    _fsync_tree(tmp)
+    try:
+        model.save_pretrained(tmp / "model")
+        processor.save_pretrained(tmp / "model")
+        torch.save(state, tmp / "trainer_state.pt")
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        _fsync_tree(tmp)
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -93,6 +101,18 @@ def list_checkpoints(root: Path) -> list[Path]:
         else:
             log.warning("ignoring torn checkpoint %s (no valid manifest)", folder)
     return found
+
+
+def remove_torn_writes(root: Path) -> list[Path]:
+    """Delete temporary folders left by a process killed mid-save, returning them.
+
+    Only safe when no other process saves into `root`, as when a run is resumed: each holds up to
+    a whole checkpoint of disk that nothing would otherwise reclaim."""
+    torn = sorted(root.glob(f"{TMP_PREFIX}*")) if root.exists() else []
+    for folder in torn:
+        log.warning("removing %s, a checkpoint whose writer died before finishing it", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return torn
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mmrl.config import Config, ConfigError, dump_config, load_config
-from mmrl.errors import RolloutError
+from mmrl.errors import RunStopped
 
 
 def _preflight(cfg: Config) -> None:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         return 2
-    except RolloutError as err:
+    except RunStopped as err:  # an engine failure, a full disk, diverged gradients
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         return 1
 

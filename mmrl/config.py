@@ -25,10 +25,25 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (peft) instead of full fine-tuning; the KL reference is then the base model with
+    the adapter switched off, so no second copy of the weights is held."""
+
+    rank: int = Field(0, ge=0, description="0 trains all weights (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(
+        None,
+        description="Linear layer names (q_proj, ...); default: every linear layer of the language model",
+    )
+    include_vision: bool = Field(False, description="Also adapt the vision tower's linear layers")
+
+
 class ModelConfig(_Section):
     path: str = Field(description="Checkpoint folder: a Qwen2.5-VL download or `mmrl model init-tiny` output")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     freeze_vision_tower: bool = False
+    lora: LoraConfig = LoraConfig()
 
 
 class DataConfig(_Section):
@@ -246,6 +261,12 @@ class TrainerConfig(_Section):
     val_before_train: bool = True
     save_every: int = Field(0, ge=0, description="0 saves only at the end")
     keep_checkpoints: int = Field(2, gt=0)
+    max_consecutive_bad_steps: int = Field(
+        3,
+        gt=0,
+        description="Steps in a row whose every update had a non-finite gradient before the run stops "
+        "(after saving the last good state)",
+    )
     output_dir: str = "runs/{experiment_name}"
     experiment_name: str = "mmrl"
     device: str = "auto"

@@ -11,6 +11,7 @@ each kind is logged, so a bad corpus shows up in the metrics instead of crashing
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -184,8 +185,7 @@ def _pick_split(splits: list[str], split: str | None, spec: str) -> str:
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as fh:
-            return [_json_or_bad(line) for line in fh if line.strip()]
+        return _read_jsonl(path)
     if path.suffix == ".json":
         return _read_json(path)
     if path.suffix == ".parquet":
@@ -223,6 +223,25 @@ def _read_arrow(path: Path) -> list[dict[str, Any]]:
         except pa.ArrowInvalid:
             source.seek(0)
             return pa.ipc.open_file(source).read_all().to_pylist()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One row per non-blank line; a leading byte-order mark (Windows editors) is dropped.
+
+    A line that is not UTF-8 becomes a bad row rather than being decoded with replacement
+    characters, which would train on silently garbled text."""
+    rows = []
+    for raw in path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines():
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            rows.append(
+                {"__bad__": f"line is not UTF-8 ({err.reason} at byte {err.start}); save the file as UTF-8"}
+            )
+            continue
+        if line.strip():
+            rows.append(_json_or_bad(line))
+    return rows
 
 
 def _json_or_bad(line: str) -> dict[str, Any]:

@@ -1,5 +1,17 @@
 """Errors that end a run with a message for the user rather than a traceback (the CLI prints them)."""
 
 
-class RolloutError(RuntimeError):
+class RunStopped(RuntimeError):
+    """The run stopped for a reason the message explains, naming the step, what is intact and what to do."""
+
+
+class RolloutError(RunStopped):
     """The rollout engine failed; the message names the step and where the last checkpoint is."""
+
+
+class CheckpointError(RunStopped):
+    """A checkpoint could not be written (a full disk, say); earlier checkpoints are untouched."""
+
+
+class NumericalError(RunStopped):
+    """Too many steps in a row had non-finite gradients; the last good state was saved first."""

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from mmrl import checkpoint as ckpt
 from mmrl.config import Config, ConfigError
+from mmrl.lora import is_adapter, load_with_adapter
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_label, reward_metrics
@@ -45,7 +46,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 raise FileNotFoundError(f"{candidate} holds no complete checkpoint (all are torn or partial)")
             return latest / "model"
     for candidate in (path / "model", path):
-        if (candidate / "config.json").exists():
+        if (candidate / "config.json").exists() or is_adapter(candidate):
             return candidate
     raise FileNotFoundError(
         f"--checkpoint {path}: no model there; give a run folder, a checkpoints/step_N folder or a model folder"
@@ -82,7 +83,10 @@ def evaluate(
         else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     compute_dtype = resolve_dtype(cfg.model.dtype, device)
-    model = load_policy(model_dir, torch.float32, device).eval()
+    if is_adapter(model_dir):
+        model = load_with_adapter(model_dir, device).eval()
+    else:
+        model = load_policy(model_dir, torch.float32, device).eval()
     processor = load_processor(model_dir)
     _, samples = build_datasets(cfg, processor, model.config)
     if not samples:
@@ -107,7 +111,8 @@ def evaluate(
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
-    engine = engine_from_config(cfg, model, processor, compute_dtype, model_dir)
+    engine = engine_from_config(cfg, model, processor, compute_dtype, model.config._name_or_path)
+    engine.sync_weights()  # vLLM loads the architecture from the folder; the weights are the model's
     functions = [f.model_dump() for f in cfg.reward.functions]
     with RewardManager(
         functions,

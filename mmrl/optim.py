@@ -56,6 +56,7 @@ class UpdateStats:
 
     metrics: dict[str, float]
     skipped_steps: int
+    steps: int  # optimizer steps attempted, skipped ones included
 
 
 def minibatch_updates(
@@ -76,7 +77,8 @@ def minibatch_updates(
 
     Gradients accumulate over micro-batches whose losses are normalised by the mini-batch's totals
     (`num_tokens`, `num_seqs`, `horizon`), so micro-batching never changes the result. A non-finite
-    gradient norm skips the step: it never reaches the weights or the optimizer moments."""
+    gradient norm skips the step: it never reaches the weights, the optimizer moments or the
+    learning-rate schedule, so a skipped step leaves the state exactly as it was."""
     model.train()
     sums: dict[str, float] = {}
     count, skipped = 0, 0
@@ -94,16 +96,16 @@ def minibatch_updates(
                 for key, value in micro_step(micro, totals).items():
                     sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+            sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
             if math.isfinite(grad_norm):
                 optimizer.step()
+                scheduler.step()
             else:
                 skipped += 1
                 optimizer.zero_grad(set_to_none=True)
-            sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
-            scheduler.step()
             sums[f"{prefix}/grad_norm"] = sums.get(f"{prefix}/grad_norm", 0.0) + grad_norm
             count += 1
-    return UpdateStats(metrics={k: v / count for k, v in sums.items()}, skipped_steps=skipped)
+    return UpdateStats(metrics={k: v / count for k, v in sums.items()}, skipped_steps=skipped, steps=count)
 
 
 def per_minibatch(stats: dict[str, float], rows: int, totals: dict[str, float]) -> dict[str, float]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import json
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -23,6 +27,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from safetensors.torch import load_file
 
 from mmrl import checkpoint as ckpt
 from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
@@ -40,9 +45,10 @@ from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptDataset, PromptLoader, PromptSample
-from mmrl.errors import RolloutError
+from mmrl.errors import CheckpointError, NumericalError, RolloutError
 from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
+from mmrl.lora import apply_lora
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
@@ -99,15 +105,8 @@ class Trainer:
             num_workers=cfg.reward.num_workers,
         )
         self.accuracy_key = reward_label(cfg.reward.functions[0].name)
-        self.actor = Actor(
-            self.model,
-            cfg.actor,
-            self.pad_id,
-            cfg.rollout.temperature or 1.0,
-            cfg.rollout.max_new_tokens,
-            total_updates=self._optimizer_steps(cfg.actor.ppo_epochs),
-            compute_dtype=self.compute_dtype,
-        )
+        self.peft: Any = None  # the PeftModel wrapper once LoRA adapters are in
+        self.actor = self._make_actor()
         self.critic = self._make_critic(cfg.critic.model_path or cfg.model.path)
         self.ref: Any = None
         self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -115,6 +114,11 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, self.console)
         self.step = 0
         self.resumed_from: Path | None = None
+        # A run of steps whose every update was skipped (non-finite gradients): how many, and the
+        # state before the first of them, which `_check_numerics` saves if the run must stop.
+        self.bad_steps = 0
+        self.last_good: dict[str, Any] | None = None
+        self.save_deferred = False
         if resume:
             self._resume()
 
@@ -123,6 +127,8 @@ class Trainer:
         cfg = self.cfg.trainer
         if self.resumed_from is None and self.cfg.warmup.steps:
             self._warmup()
+        if self.cfg.model.lora.rank and self.peft is None:
+            self._apply_lora()  # after the warm-up: adapters start on the model RL starts from
         self.ref = self._reference()
         self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
         if cfg.val_before_train and self.step == 0 and self.val_samples:
@@ -130,13 +136,20 @@ class Trainer:
         with self._progress() as bar:
             task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")
             while self.step < cfg.total_steps:
+                before = self._small_state()
                 self.step += 1
                 metrics = self.train_step()
                 if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
                     metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
-                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps:
+                self._check_numerics(metrics, before)
+                due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps
+                if self.last_good is not None and self.step < cfg.total_steps:
+                    # A save now would be newer than the last good state that a stop must leave as the newest.
+                    self.save_deferred = self.save_deferred or bool(due)
+                elif due or self.save_deferred:
                     self.save()
+                    self.save_deferred = False
                 bar.update(task, completed=self.step, info=_progress_info(metrics))
         plot_reward_curve(
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
@@ -157,7 +170,7 @@ class Trainer:
                 batch.set(old_logprobs=self.actor.logprobs(self.model, batch))
         if self.ref is not None:
             with timer("ref"):
-                batch.set(ref_logprobs=self.actor.logprobs(self.ref, batch))
+                batch.set(ref_logprobs=self._ref_logprobs(batch))
         if self.critic is not None:
             with timer("values"):
                 batch.set(values=self.critic.values(batch))
@@ -176,7 +189,16 @@ class Trainer:
             with timer("sync"):
                 self.engine.sync_weights()
             metrics.update(stats.metrics)
+            metrics["actor/updates"] = stats.steps
             metrics["actor/skipped_updates"] = stats.skipped_steps
+            if stats.skipped_steps:
+                log.warning(
+                    "step %d: %d of %d actor updates skipped for a non-finite gradient norm (NaN/inf); "
+                    "they changed no weights and no optimizer state",
+                    self.step,
+                    stats.skipped_steps,
+                    stats.steps,
+                )
         metrics.update(timer.metrics(tokens=_token_count(batch)))
         return metrics
 
@@ -325,35 +347,84 @@ class Trainer:
             write_gallery(self.run_dir, self.step, items, metrics)
         return metrics
 
-    def save(self) -> Path:
-        state = {
+    def _small_state(self) -> dict[str, Any]:
+        """The trainer state besides weights and optimizer: small enough to copy before every step,
+        so the state before a run of skipped updates can still be saved once it is known to be bad."""
+        return {
             "step": self.step,
-            "optimizer": self.actor.optimizer.state_dict(),
-            "scheduler": self.actor.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
             "bad_rows": dict(self.train_set.bad_rows),
             "rng": ckpt.rng_state(),
             "kl_coef": self.kl_ctrl.value,
         }
+
+    def save(self, small_state: dict[str, Any] | None = None) -> Path:
+        """Checkpoint the model, optimizer and `small_state` (default: as they are now)."""
+        small = small_state or self._small_state()
+        state = {
+            **small,
+            "optimizer": self.actor.optimizer.state_dict(),
+            "scheduler": self.actor.scheduler.state_dict(),
+        }
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
-        return ckpt.save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.step,
-            self.model,
-            self.processor,
-            state,
-            self.cfg.trainer.keep_checkpoints,
+        root = self.run_dir / "checkpoints"
+        try:
+            return ckpt.save_checkpoint(
+                root,
+                small["step"],
+                self.peft or self.model,  # under LoRA: the adapter alone, in peft's format
+                self.processor,
+                state,
+                self.cfg.trainer.keep_checkpoints,
+            )
+        except OSError as err:
+            raise CheckpointError(_save_failure(root, small["step"], err)) from err
+
+    def _check_numerics(self, metrics: dict[str, Any], before: dict[str, Any]) -> None:
+        """Stop after `trainer.max_consecutive_bad_steps` steps in a row whose every actor update was
+        skipped for a non-finite gradient, first saving the state from before the first of them.
+
+        A skipped update touches no weights, optimizer moments or schedule (see `minibatch_updates`),
+        so that state is today's model and optimizer with `before` (loader, RNG, counters) from the
+        streak's start: a resumed run replays the same data exactly. A critic's own finite updates
+        during the streak are kept. Steps that update nothing (empty batch, critic warm-up) are neutral."""
+        updates = metrics.get("actor/updates", 0)
+        if not updates:
+            return
+        if metrics["actor/skipped_updates"] < updates:
+            self.bad_steps, self.last_good = 0, None
+            return
+        self.bad_steps += 1
+        self.last_good = self.last_good or before
+        limit = self.cfg.trainer.max_consecutive_bad_steps
+        if self.bad_steps < limit:
+            return
+        good_step = self.last_good["step"]
+        folder = self.run_dir / "checkpoints" / f"step_{good_step:08d}"
+        if not ckpt.is_complete(folder):  # a periodic save may already hold exactly this state
+            folder = self.save(self.last_good)
+        raise NumericalError(
+            f"steps {good_step + 1}-{self.step}: every actor update had a non-finite gradient (NaN/inf), "
+            f"{limit} steps in a row (trainer.max_consecutive_bad_steps), so the run stopped. The last good "
+            f"state, after step {good_step}, is saved in {folder}. Look for the cause in metrics.jsonl "
+            "(actor/pg_loss, reward/*, a custom actor.policy_loss or reward); a lower actor.lr or "
+            "actor.max_grad_norm may help. Then run again with --resume."
         )
 
     def _resume(self) -> None:
+        ckpt.remove_torn_writes(self.run_dir / "checkpoints")
         folder = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
         if folder is None:
+            truncate_metrics(self.logger.jsonl, None)
             self.console.print(
                 f"[yellow]--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh"
             )
             return
-        ckpt.load_model_weights(self.model, folder)
+        if self.cfg.model.lora.rank:
+            self._load_lora(folder)
+        else:
+            ckpt.load_model_weights(self.model, folder)
         state = ckpt.load_trainer_state(folder)
         self.actor.optimizer.load_state_dict(state["optimizer"])
         self.actor.scheduler.load_state_dict(state["scheduler"])
@@ -365,7 +436,9 @@ class Trainer:
             self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         self.resumed_from = folder
-        self.console.print(f"resumed from {folder} at step {self.step}")
+        redone = truncate_metrics(self.logger.jsonl, self.step)
+        note = f"; {redone} metrics records logged after it were dropped, to be redone" if redone else ""
+        self.console.print(f"resumed from {folder} at step {self.step}{note}")
 
     def _warmup(self) -> None:
         samples = self.train_set.prepare_all(limit=512)
@@ -434,16 +507,64 @@ class Trainer:
         return metrics
 
     def _reference(self) -> Any:
-        """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off."""
+        """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off;
+        under LoRA the policy itself, read with its adapter switched off (no second copy)."""
         kl_loss = self.cfg.actor.use_kl_loss and self.cfg.actor.kl_loss_coef > 0
         if not (kl_loss or self.cfg.algorithm.use_kl_in_reward):
             return None
+        if self.peft is not None:
+            return self.model
         if self.resumed_from is None:
             return copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         start = self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
         device = next(self.model.parameters()).device
         with torch.random.fork_rng(devices=_rng_devices()):  # loading must not shift the training RNG
             return load_policy(start, self.compute_dtype, str(device)).eval().requires_grad_(False)
+
+    def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.ref is self.model:  # LoRA: the base model is the policy without its adapter
+            with self.peft.disable_adapter():
+                return self.actor.logprobs(self.model, batch)
+        return self.actor.logprobs(self.ref, batch)
+
+    def _make_actor(self) -> Actor:
+        cfg = self.cfg
+        return Actor(
+            self.model,
+            cfg.actor,
+            self.pad_id,
+            cfg.rollout.temperature or 1.0,
+            cfg.rollout.max_new_tokens,
+            total_updates=self._optimizer_steps(cfg.actor.ppo_epochs),
+            compute_dtype=self.compute_dtype,
+        )
+
+    def _lora_base(self) -> Path:
+        """The weights the adapters sit on: the warm-up's output, or the configured model."""
+        return self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
+
+    def _apply_lora(self) -> None:
+        """Freeze the model, add adapters, and give the actor an optimizer over the adapters only."""
+        # peft records this as the adapter's base, so `mmrl eval` and plain transformers find it.
+        base = str(self._lora_base().resolve())
+        self.model.name_or_path = self.model.config._name_or_path = base
+        self.peft = apply_lora(self.model, self.cfg.model.lora)
+        self.actor = self._make_actor()
+
+    def _load_lora(self, folder: Path) -> None:
+        """Resume under LoRA: the base weights, then the checkpoint's adapter on top."""
+        from peft import set_peft_model_state_dict
+
+        with torch.random.fork_rng(devices=_rng_devices()):
+            base = load_policy(self._lora_base(), torch.float32)
+        self.model.load_state_dict(base.state_dict())
+        self._apply_lora()
+        adapter = folder / "model" / "adapter_model.safetensors"
+        if not adapter.exists():
+            raise FileNotFoundError(
+                f"{folder} holds no LoRA adapter ({adapter.name}); was it saved with model.lora?"
+            )
+        set_peft_model_state_dict(self.peft, load_file(adapter))
 
     def _progress(self) -> Progress:
         return Progress(
@@ -486,6 +607,48 @@ def refuse_to_overwrite(run_dir: Path) -> None:
         )
 
 
+def truncate_metrics(path: Path, last_step: int | None) -> int:
+    """Drop metrics.jsonl records after `last_step` (every record for None); returns how many.
+
+    A run killed after its last checkpoint has logged steps that the resumed run does again;
+    kept, they would appear twice. A line torn by the kill goes too. The file is replaced
+    atomically, so dying here loses nothing."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            step = None
+        if step is not None and last_step is not None and step <= last_step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.writelines(kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+def _save_failure(root: Path, step: int, err: OSError) -> str:
+    """What went wrong writing a checkpoint, what is still safe, and what to do."""
+    cause = "no space left on the device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    newest = ckpt.latest_checkpoint(root)
+    intact = f"the newest complete one, {newest.name}, is intact" if newest else "there is no earlier one"
+    return (
+        f"step {step}: could not write a checkpoint to {root}: {cause} ({err.filename or err}). "
+        f"The partial write was removed; {intact}. Saving needs room for one checkpoint more than "
+        "trainer.keep_checkpoints; free space there, then run again with --resume."
+    )
+
+
 def make_kl_controller(cfg: Config) -> KLController:
     """β for the KL reward penalty; warns when KL is also a loss term, as both then pull to π_ref."""
     kl = cfg.algorithm.kl_ctrl
@@ -522,7 +685,17 @@ class _Timer:
         out["timing/step"] = total
         out["throughput/tokens_per_s"] = tokens / total
         out["memory/peak_rss_gb"] = peak_rss_gb()
+        if (rss := current_rss_gb()) is not None:
+            out["memory/rss_gb"] = rss
         return out
+
+
+def current_rss_gb() -> float | None:
+    """This process's resident set size now, in GiB (None without /proc). The peak cannot show a
+    slow leak once an early step has set it; the current size grows with one."""
+    with contextlib.suppress(OSError):
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return None
 
 
 def _token_count(batch: Batch) -> int:

@@ -21,6 +21,7 @@ import torch
 from mmrl.algorithms import BLOCKED_LOGIT
 from mmrl.batch import Batch
 from mmrl.data import PromptSample
+from mmrl.lora import merged_state
 from mmrl.models import never_generated_ids
 from mmrl.rollout.base import SamplingParams
 
@@ -56,16 +57,17 @@ def vllm_available() -> bool:
 def checkpoint_names(model: Any) -> Any:
     """The policy's tensors under the names its saved checkpoint uses (what vLLM's loader expects),
     yielded one at a time. transformers nests the language model as `model.language_model.*` in memory
-    but saves it as `model.*`; a tied LM head is not saved at all."""
+    but saves it as `model.*`; a tied LM head is not saved at all. LoRA adapters arrive folded into
+    their base weights (merge-and-sync)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for name, tensor in model.state_dict().items():
+    for name, tensor in merged_state(model):
         if tied and name == "lm_head.weight":
             continue
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model.") :]
         elif name.startswith("model.visual."):
             name = name[len("model.") :]
-        yield name, tensor.detach()
+        yield name, tensor
 
 
 def collapse_image_pads(ids: list[int], image_pad: int) -> list[int]:
@@ -217,6 +219,8 @@ class VLLMEngine:
         """Stream the policy's current weights into vLLM, drop every cache computed with the old ones,
         and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs."""
         self._wake()
+        # LoRA: merge-and-sync. vLLM's own LoRA support would take the adapter alone, but it covers the
+        # language model only; merging works for adapters anywhere, the vision tower included.
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={"weights_iterator": checkpoint_names(self.model), "is_checkpoint_format": True},

@@ -1,0 +1,93 @@
+"""LoRA through peft: which layers get adapters, and the base model with the adapter switched off.
+
+peft injects the adapter layers into the model object in place, so the trainer, the engines and the
+log-prob code keep using the plain Qwen2.5-VL object; the PeftModel wrapper is kept only for what
+needs it: switching the adapter off for the reference, and saving it in peft's format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmrl.config import LoraConfig
+
+LANGUAGE = "model.language_model."
+VISION = "model.visual."
+
+
+def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Full names of the linear layers that get adapters: those of the language model (and the vision
+    tower when `include_vision`), filtered to `cfg.target_modules` leaf names when given; never the LM
+    head, whose adaptation would also move the tied embeddings."""
+    prefixes = (LANGUAGE, *((VISION,) if cfg.include_vision else ()))
+    leaves = set(cfg.target_modules or ())
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and name.startswith(prefixes)
+        and (not leaves or name.rpartition(".")[2] in leaves)
+    ]
+    if not names:
+        raise ValueError("LoRA found no linear layers to adapt; check model.lora.target_modules")
+    return names
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> Any:
+    """Inject adapters into `model` (in place) and freeze everything else; returns the PeftModel."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=target_modules(model, cfg),
+        bias="none",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def merged_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model`'s state dict with every adapter folded into its base weight, one tensor at a time and
+    without touching the model: W + (α/r)·B·A is computed per layer as it is streamed, so the base
+    weights (and with them the KL reference) never pick up merge/unmerge rounding. Adapter matrices
+    are left out and `base_layer.` disappears from the names, giving the plain model's names."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if leaf == "weight" and owner in layers:
+            layer = layers[owner]
+            with torch.no_grad():
+                tensor = tensor + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+        yield name.replace(".base_layer.", "."), tensor.detach()
+
+
+def is_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").exists()
+
+
+def load_with_adapter(folder: Path, device: str = "cpu") -> nn.Module:
+    """A policy saved as a LoRA adapter, loaded the plain-transformers way: the base model named in the
+    adapter's config, with `load_adapter` (transformers' peft integration) on top."""
+    from mmrl.models import load_policy
+
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").exists():
+        raise FileNotFoundError(
+            f"the LoRA adapter in {folder} names its base model as {base!r}, which is not a model folder here; "
+            "copy the base model there or edit base_model_name_or_path in adapter_config.json"
+        )
+    model = load_policy(base, device=device)
+    model.load_adapter(str(folder))
+    return model
