@@ -1,5 +1,5 @@
-"""The DAPO, Dr.GRPO and PPO (GAE with a critic) recipes, and the GRPO recipe with the vLLM engine, learn
-the quickstart's visual task as the GRPO recipe with the HF engine does."""
+"""The DAPO, Dr.GRPO, PPO (GAE with a critic) and LoRA recipes, and the GRPO recipe with the vLLM engine,
+learn the quickstart's visual task as the GRPO recipe with the HF engine does."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def colour_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(
-    "recipe", ["quickstart_dapo", "quickstart_drgrpo", "quickstart_ppo", "quickstart+vllm"]
+    "recipe", ["quickstart_dapo", "quickstart_drgrpo", "quickstart_ppo", "quickstart_lora", "quickstart+vllm"]
 )
 def test_recipe_learns_colour_from_pixels(recipe: str, colour_data: Path, tmp_path, tiny_model_dir) -> None:
     run = tmp_path / recipe
