@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ def save_checkpoint(
     """Write `root/step_NNNNNNNN` atomically: an HF model folder plus optimizer/trainer state.
 
     If writing fails (a full disk, Ctrl-C), the temporary folder is removed before the error goes
-    on: it would hold a checkpoint's worth of space and be of no use to anyone."""
+    on: it would hold a checkpoint's worth of space and be of no use to anyone. A disk error that
+    a writer wrapped in its own exception type is raised as the `OSError` it is."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
@@ -66,14 +68,18 @@ def save_checkpoint(
     try:
         model.save_pretrained(tmp / "model")
         processor.save_pretrained(tmp / "model")
-        torch.save(state, tmp / "trainer_state.pt")
+        with (tmp / "trainer_state.pt").open("wb") as fh:  # a file object keeps a disk error's errno
+            torch.save(state, fh)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         _fsync_tree(tmp)
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
         _fsync_tree(tmp)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        cause = _os_error(err)
+        if cause is None or cause is err:
+            raise
+        raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from err
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -81,6 +87,18 @@ def save_checkpoint(
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OS error behind a failed write. torch.save reports a full disk as a RuntimeError whose
+    context is the OSError; safetensors as a SafetensorError that only names `os error 28`."""
+    link: BaseException | None = err
+    while link is not None:
+        if isinstance(link, OSError):
+            return link
+        link = link.__cause__ or link.__context__
+    found = re.search(r"os error (\d+)", str(err))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
 def is_complete(folder: Path) -> bool:

@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     except RunStopped as err:  # an engine failure, a full disk, diverged gradients
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 1
 
 

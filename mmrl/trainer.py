@@ -131,7 +131,9 @@ class Trainer:
             self._apply_lora()  # after the warm-up: adapters start on the model RL starts from
         self.ref = self._reference()
         self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
-        if cfg.val_before_train and self.step == 0 and self.val_samples:
+        # A resumed run's step-0 record is already in the log (a checkpoint of step 0 is written when
+        # the very first steps all fail numerically).
+        if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self.val_samples:
             self.logger.log(0, self.validate())
         with self._progress() as bar:
             task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")

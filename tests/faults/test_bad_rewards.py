@@ -1,5 +1,10 @@
-"""Reward functions that raise, hang or return NaN in a real training run: the run finishes, every failure
-is counted under its kind, and the failed samples score 0 while the good function's scores stand."""
+"""Reward functions that raise, hang, kill their worker, or return NaN, inf, None, a string or a dict without
+"overall", in a real training run with process isolation: the run finishes, every failure is counted under
+its function and kind, the failed samples score 0 for that function only, and no worker outlives the run.
+
+The unit tests of the reward layer (tests/test_rewards.py) cover each fault in isolation; this runs them
+together through `mmrl train`, where a hung or dead worker must be replaced between steps.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from faultkit import CONFIG
 from PIL import Image
 
 from mmrl.cli import main
 from mmrl.logger import read_metrics
 
+RESPONSES_PER_PROMPT = 2
 FAST = [
-    "trainer.total_steps=2",
+    "trainer.total_steps=3",
     "trainer.val_every=0",
     "trainer.save_every=0",
     "trainer.progress=false",
@@ -23,18 +30,25 @@ FAST = [
     "warmup.steps=0",
     "data.train_batch_size=4",
     "actor.mini_batch_size=4",
-    "rollout.n=2",
+    f"rollout.n={RESPONSES_PER_PROMPT}",
 ]
-RESPONSES_PER_PROMPT = 2  # rollout.n above
 
-# Each row names the fault its responses trigger: which samples fail is known from `data/rows` alone.
-FAULTS = ["ok", "raise", "hang", "nan", "ok", "raise", "nan", "ok"]
-# reward function -> (the fault that breaks it, the failure kind it must be counted as)
-BROKEN = {"raises": ("raise", "exception"), "sleeps": ("hang", "timeout"), "nan": ("nan", "invalid")}
+# Each row names the fault its responses trigger, so which samples fail is known from `data/rows`.
+FAULTS = ["ok", "raise", "hang", "nan", "inf", "none", "string", "no_overall", "exit", "ok", "raise", "nan"]
+# reward function -> (the faults that break it, the failure kind they must be counted as)
+BROKEN = {
+    "raises": ({"raise"}, "exception"),
+    "sleeps": ({"hang"}, "timeout"),
+    "bad_value": ({"nan", "inf", "none", "string", "no_overall"}, "invalid"),
+    "exits": ({"exit"}, "exception"),  # the worker process dies mid-call
+}
 
 REWARDS = """
     import math
+    import os
     import time
+
+    BAD_VALUES = {"nan": math.nan, "inf": -math.inf, "none": None, "string": "0.7", "no_overall": {"acc": 1.0}}
 
     def raises(sample):
         if sample.extra["fault"] == "raise":
@@ -46,8 +60,13 @@ REWARDS = """
             time.sleep(60)
         return 1.0
 
-    def nan(sample):
-        return math.nan if sample.extra["fault"] == "nan" else 1.0
+    def bad_value(sample):
+        return BAD_VALUES.get(sample.extra["fault"], 1.0)
+
+    def exits(sample):
+        if sample.extra["fault"] == "exit":
+            os._exit(3)
+        return 1.0
 
     def good(sample):
         return 1.0
@@ -67,8 +86,8 @@ def _dataset(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # ~20 s on an idle 2-core machine
-def test_raising_hanging_and_nan_rewards_are_counted_and_score_zero(tmp_path, tiny_model_dir) -> None:
+@pytest.mark.timeout(300)  # ~25 s on an idle 2-core machine
+def test_broken_rewards_are_counted_per_kind_and_score_zero(tmp_path, tiny_model_dir) -> None:
     data = _dataset(tmp_path / "data")
     rewards = tmp_path / "rewards.py"
     rewards.write_text(textwrap.dedent(REWARDS))
@@ -77,7 +96,7 @@ def test_raising_hanging_and_nan_rewards_are_counted_and_score_zero(tmp_path, ti
     code = main(
         [
             "train",
-            "configs/quickstart.yaml",
+            CONFIG,
             f"model.path={tiny_model_dir}",
             f"data.train_files={data}",
             "data.val_files=[]",
@@ -91,15 +110,15 @@ def test_raising_hanging_and_nan_rewards_are_counted_and_score_zero(tmp_path, ti
     )
     assert code == 0
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     assert sorted(row for r in records for row in r["data/rows"]) == list(range(len(FAULTS)))
 
     for r in records:
         faults = [FAULTS[row] for row in r["data/rows"]]
         samples = RESPONSES_PER_PROMPT * len(faults)
         means = []
-        for name, (fault, kind) in BROKEN.items():
-            failed = RESPONSES_PER_PROMPT * faults.count(fault)
+        for name, (breaking, kind) in BROKEN.items():
+            failed = RESPONSES_PER_PROMPT * sum(f in breaking for f in faults)
             assert r.get(f"reward/failures/{name}/{kind}", 0) == failed, (name, r["step"])
             means.append(1.0 - failed / samples)  # 1.0 where the call worked, 0 where it failed
             assert r[f"reward/{name}"] == pytest.approx(means[-1]), (name, r["step"])
