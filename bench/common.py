@@ -61,6 +61,11 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+def provenance(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """What every result records about how it was measured: the load around it and the machine."""
+    return {"load_avg_before": load_before, "load_avg_after": load_average(), "machine": machine()}
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import load_average, machine, median, write_result
+from common import load_average, median, provenance, write_result
 
 from processors import PixelBudget, smart_size
 from rewards import GRADERS, ImageSize, RewardInput
@@ -128,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         {
             "samples_per_s": rows,
-            "load_avg_before": load_before,
-            "load_avg_after": load_average(),
-            "machine": machine(),
+            **provenance(load_before),
         },
     )
     return 0

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import load_average, machine, make_workspace, median, run_in_workspace, write_result
+from common import load_average, make_workspace, median, provenance, run_in_workspace, write_result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "round_s": times[kind],
         }
     result["vllm_over_hf"] = result["vllm"]["generated_tokens_per_s"] / result["hf"]["generated_tokens_per_s"]
-    result.update(load_avg_before=load_before, load_avg_after=load_average(), machine=machine())
+    result.update(provenance(load_before))
     return result
 
 

@@ -20,9 +20,9 @@ from common import (
     QUICKSTART,
     data_overrides,
     load_average,
-    machine,
     make_workspace,
     median,
+    provenance,
     run_in_workspace,
     write_result,
 )
@@ -102,9 +102,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "peak_rss_gb": max([r["memory/peak_rss_gb"] for r in records] + [peak_rss_gb()]),
         "reward_mean": [r.get("reward/mean") for r in records],
         "fit_wall_s": wall,
-        "load_avg_before": load_before,
-        "load_avg_after": load_average(),
-        "machine": machine(),
+        **provenance(load_before),
     }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import load_average, machine, median, write_result
+from common import load_average, median, provenance, write_result
 
 from processors import VideoBudget, read_video
 
@@ -97,9 +97,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "clip_bytes": path.stat().st_size,
         },
         "cases": cases,
-        "load_avg_before": load_before,
-        "load_avg_after": load_average(),
-        "machine": machine(),
+        **provenance(load_before),
     }
 
 
