@@ -9,6 +9,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One process per core (pytest -n): two torch threads per process would fight over the cores and
+    # make every step several times slower. Subprocesses the tests start inherit the setting.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from mmrl.logger import read_metrics
 from mmrl.models import load_policy
 from mmrl.synthetic import generate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]  # one worker shares the runs
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 STEPS = 6

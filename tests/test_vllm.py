@@ -24,6 +24,7 @@ from mmrl.synthetic import generate
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("vllm"),  # one worker builds the engine once
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)"),
 ]
 

@@ -63,6 +63,9 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
+pytestmark = pytest.mark.xdist_group("crash_resume")  # one worker runs the legs once for all tests
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, colour_task) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("crash")
