@@ -13,7 +13,8 @@ from rich.console import Console
 
 
 class MetricsLogger:
-    """Appends one JSON object per step; on resume the file simply continues."""
+    """Appends one JSON object per step to metrics.jsonl and, if asked, TensorBoard. A resumed run first
+    drops what the interrupted run logged after its checkpoint (`resume_at`), so no step appears twice."""
 
     def __init__(self, run_dir: Path, backends: list[str], console: Console | None = None) -> None:
         self.run_dir = run_dir
@@ -36,6 +37,15 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+
+    def resume_at(self, step: int) -> None:
+        """Continue after checkpoint `step`: TensorBoard discards the interrupted run's later events.
+        (metrics.jsonl is trimmed by the trainer before this.)"""
+        if self.writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=step + 1)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -439,6 +439,7 @@ class Trainer:
         self.step = state["step"]
         self.resumed_from = folder
         redone = truncate_metrics(self.logger.jsonl, self.step)
+        self.logger.resume_at(self.step)
         note = f"; {redone} metrics records logged after it were dropped, to be redone" if redone else ""
         self.console.print(f"resumed from {folder} at step {self.step}{note}")
 
