@@ -1,0 +1,62 @@
+"""The environment interface every simulator speaks to the VLA rollout loop.
+
+The loop only needs a rendered frame, an instruction and a success flag, so the interface is the
+gymnasium ``reset``/``step`` pair with those three things fixed in the observation and ``info``.
+Keeping it this small is what lets external simulators (LIBERO, ManiSkill) plug in as thin adapters.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import Any, TypedDict
+
+import numpy as np
+
+__all__ = ["Env", "Info", "Obs", "StepResult"]
+
+
+class Obs(TypedDict):
+    """What the policy sees: an RGB frame, the task in words, and the robot's own state (proprioception)."""
+
+    image: np.ndarray  # H x W x 3, uint8
+    instruction: str
+    state: np.ndarray  # 1-D float32; each task documents its layout
+
+
+Info = dict[str, Any]  # always holds "success": bool; tasks add their own diagnostics
+StepResult = tuple[Obs, float, bool, bool, Info]  # obs, reward, terminated, truncated, info
+
+
+class Env(ABC):
+    """A seeded, episodic task whose actions are vectors in [-1, 1]^action_dim.
+
+    Actions are normalised so one action tokenizer (256 bins over [-1, 1]) serves every task; each
+    task maps them onto its own physical units.
+    """
+
+    action_dim: int
+    max_steps: int
+
+    @abstractmethod
+    def reset(self, seed: int | None = None) -> tuple[Obs, Info]:
+        """Start an episode; the same seed must give the same initial frame and state."""
+
+    @abstractmethod
+    def step(self, action: np.ndarray) -> StepResult:
+        """Apply one action; ``info["success"]`` says whether the task is done right."""
+
+    def close(self) -> None:
+        """Release renderers, processes or sockets; a no-op unless the simulator holds any."""
+        return None
+
+    def __enter__(self) -> Env:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

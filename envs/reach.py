@@ -1,0 +1,90 @@
+"""reach: a planar two-link arm touches the ball of the named colour, among two distractors.
+
+Why this task: it is the smallest one where the instruction matters. The arm can reach all three
+balls, and touching a distractor ends the episode as a failure, so a policy has to read the colour in
+the instruction and find it in the frame.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from envs.mujoco_env import COLOURS, MujocoEnv
+
+__all__ = ["ELBOW_LIMIT", "LINK", "TOUCH", "ReachEnv", "forward_kinematics"]
+
+LINK = 0.12  # both links, metres (envs/assets/reach.xml)
+ELBOW_LIMIT = 2.6  # rad, the elbow joint's range is ±ELBOW_LIMIT
+TOUCH = 0.04  # fingertip-to-ball centre distance in the table plane that counts as a touch
+_N_BALLS = 3
+_BALL_RADII = (0.09, 0.21)  # ball distance from the base: inside the arm's reach at any elbow angle
+_MIN_GAP = 0.09  # between balls, so one touch never grazes another
+_START_CLEARANCE = 0.08  # fingertip to any ball at reset, so no episode starts touching
+
+
+class ReachEnv(MujocoEnv):
+    """Action: shoulder and elbow velocity, each in [-1, 1] (±3 rad/s). Success: fingertip within
+    ``TOUCH`` of the target ball. State: shoulder angle (wrapped), elbow angle, their velocities,
+    fingertip x, y (float32, 6 values). 40 steps by default."""
+
+    asset = "reach.xml"
+    default_max_steps = 40
+
+    def _layout(self, rng: np.random.Generator) -> str:
+        names = [str(c) for c in rng.permutation(list(COLOURS))[:_N_BALLS]]
+        self.target_colour, *self.distractor_colours = names
+        q = np.array([rng.uniform(-math.pi, math.pi), rng.uniform(-2.0, 2.0)])
+        self.data.qpos[:] = q
+        tip = forward_kinematics(q)
+        while True:  # rejection sampling; a valid layout is found within a few tries
+            r = rng.uniform(*_BALL_RADII, size=_N_BALLS)
+            phi = rng.uniform(-math.pi, math.pi, size=_N_BALLS)
+            balls = np.stack([r * np.cos(phi), r * np.sin(phi)], axis=1)
+            gaps = [np.linalg.norm(balls[i] - balls[j]) for i in range(_N_BALLS) for j in range(i)]
+            if min(gaps) >= _MIN_GAP and np.linalg.norm(balls - tip, axis=1).min() >= _START_CLEARANCE:
+                break
+        for i, (xy, colour) in enumerate(zip(balls, names, strict=True)):
+            self.model.geom(f"ball{i}").pos[:2] = xy
+            self._set_rgba(f"ball{i}", colour)
+        return f"touch the {self.target_colour} ball"
+
+    # true state, read by the scripted experts and tests (the policy sees only the observation)
+    @property
+    def joint_angles(self) -> np.ndarray:
+        return self.data.qpos[:2].copy()
+
+    @property
+    def tip_xy(self) -> np.ndarray:
+        return self.data.site("tip").xpos[:2].copy()
+
+    @property
+    def target_xy(self) -> np.ndarray:
+        return self._geom_xy("ball0")
+
+    @property
+    def distractor_xy(self) -> np.ndarray:
+        return np.stack([self._geom_xy(f"ball{i}") for i in range(1, _N_BALLS)])
+
+    def goal_distance(self) -> float:
+        return float(np.linalg.norm(self.tip_xy - self.target_xy))
+
+    def _success(self) -> bool:
+        return self.goal_distance() < TOUCH
+
+    def _failure(self) -> str | None:
+        distances = np.linalg.norm(self.distractor_xy - self.tip_xy, axis=1)
+        hit = int(np.argmin(distances))
+        return f"touched the {self.distractor_colours[hit]} ball" if distances[hit] < TOUCH else None
+
+    def _state(self) -> np.ndarray:
+        q, qd = self.data.qpos, self.data.qvel
+        shoulder = math.remainder(q[0], 2 * math.pi)
+        return np.array([shoulder, q[1], qd[0], qd[1], *self.tip_xy], dtype=np.float32)
+
+
+def forward_kinematics(q: np.ndarray) -> np.ndarray:
+    """Fingertip x, y for joint angles ``q[..., :2]`` (shoulder, elbow), matching reach.xml."""
+    shoulder, elbow = q[..., 0], q[..., 0] + q[..., 1]
+    return LINK * np.stack([np.cos(shoulder) + np.cos(elbow), np.sin(shoulder) + np.sin(elbow)], axis=-1)

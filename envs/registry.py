@@ -1,0 +1,97 @@
+"""Tasks by name, so a config can say ``env: reach`` and external simulators can join the same list.
+
+An entry is either a factory (a class or function) or a ``"module:attr"`` path imported on first use:
+the path form keeps ``import envs`` cheap and lets a LIBERO or ManiSkill adapter be registered
+without importing its simulator until someone asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from envs.base import Env
+
+__all__ = ["make_env", "register_env", "registered_envs"]
+
+Factory = Callable[..., Env]
+F = TypeVar("F", bound=Factory)
+
+_REGISTRY: dict[str, Factory | str] = {}
+_IMPORTED: dict[str, Factory] = {}  # path entries, once imported
+
+
+@overload
+def register_env(name: str) -> Callable[[F], F]: ...
+@overload
+def register_env(name: str, target: Factory | str) -> None: ...
+def register_env(name: str, target: Factory | str | None = None) -> Callable[[F], F] | None:
+    """Register a task: ``@register_env("mytask")`` on a class or factory, or ``register_env(name, target)``
+    where ``target`` is the factory itself or a ``"package.module:Attribute"`` path.
+
+    Re-registering a name with a different target is an error, because two tasks silently sharing a
+    name would make runs irreproducible.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"env name must be a non-empty string, got {name!r}")
+    if target is None:
+
+        def decorator(factory: F) -> F:
+            _add(name, factory)
+            return factory
+
+        return decorator
+    if isinstance(target, str) and target.count(":") != 1:
+        raise ValueError(f"env target must look like 'package.module:Attribute', got {target!r}")
+    _add(name, target)
+    return None
+
+
+def registered_envs() -> tuple[str, ...]:
+    """The registered names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def make_env(name: str, **kwargs: Any) -> Env:
+    """Build the task registered as ``name``; options it does not accept fail here, listing those it does."""
+    if name not in _REGISTRY:
+        known = ", ".join(registered_envs()) or "none"
+        raise KeyError(f"unknown env {name!r}; registered envs: {known} (add one with envs.register_env)")
+    factory = _resolve(name)
+    signature = inspect.signature(factory)
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        accepted = ", ".join(signature.parameters) or "no options"
+        raise TypeError(f"env {name!r}: {err}; it accepts: {accepted}") from None
+    return factory(**kwargs)
+
+
+def _add(name: str, entry: Factory | str) -> None:
+    if name in _REGISTRY and _REGISTRY[name] != entry:
+        raise ValueError(
+            f"env {name!r} is already registered to {_describe(_REGISTRY[name])}; pick another name"
+        )
+    _REGISTRY[name] = entry
+
+
+def _resolve(name: str) -> Factory:
+    entry = _REGISTRY[name]
+    if not isinstance(entry, str):
+        return entry
+    if name not in _IMPORTED:
+        module_name, attr = entry.split(":")
+        try:
+            _IMPORTED[name] = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ImportError(
+                f"env {name!r} is registered as {entry!r}, which could not be imported ({err}); "
+                "install the simulator it needs or fix the path"
+            ) from err
+    return _IMPORTED[name]
+
+
+def _describe(entry: Factory | str) -> str:
+    return entry if isinstance(entry, str) else f"{entry.__module__}.{entry.__qualname__}"
