@@ -271,7 +271,11 @@ class TrainerConfig(_Section):
     experiment_name: str = "mmrl"
     device: str = "auto"
     seed: int = 1
-    loggers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = [
+        "console",
+        "jsonl",
+        "tensorboard",
+    ]
     progress: bool = True
     gallery_samples: int = Field(32, ge=0, description="Validation samples per gallery page; 0 writes none")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import math
 import resource
@@ -11,12 +12,25 @@ from typing import Any
 
 from rich.console import Console
 
+from mmrl.config import ConfigError
+
+# Hosted trackers, used when listed in `trainer.loggers`; each is an optional install.
+TRACKERS = ("wandb", "swanlab")
+
 
 class MetricsLogger:
-    """Appends one JSON object per step to metrics.jsonl and, if asked, TensorBoard. A resumed run first
-    drops what the interrupted run logged after its checkpoint (`resume_at`), so no step appears twice."""
+    """Appends one JSON object per step to metrics.jsonl and, if asked, TensorBoard, wandb or swanlab. A
+    resumed run first drops what the interrupted run logged after its checkpoint (`resume_at`), so no
+    step appears twice; the trackers continue the same run (its id is kept in the run folder)."""
 
-    def __init__(self, run_dir: Path, backends: list[str], console: Console | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        backends: list[str],
+        console: Console | None = None,
+        name: str = "mmrl",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.backends = set(backends)
         self.console = console or Console()
@@ -26,6 +40,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.trackers = [
+            _start_tracker(kind, run_dir, name, config or {}) for kind in TRACKERS if kind in self.backends
+        ]
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -37,6 +54,10 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.trackers:
+            scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            for tracker in self.trackers:
+                tracker.log(scalars, step=step)
 
     def resume_at(self, step: int) -> None:
         """Continue after checkpoint `step`: TensorBoard discards the interrupted run's later events.
@@ -50,6 +71,38 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def _start_tracker(kind: str, run_dir: Path, name: str, config: dict[str, Any]) -> Any:
+    """Open (or, after a resume, reopen) the run in wandb or swanlab; the module is the tracker."""
+    try:
+        module = importlib.import_module(kind)
+    except ImportError:
+        raise ConfigError(
+            f"trainer.loggers includes {kind}, which is not installed: pip install {kind} (then log in, or run "
+            f"offline), or remove {kind} from trainer.loggers"
+        ) from None
+    id_file = run_dir / f"{kind}_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else None
+    if kind == "wandb":
+        run = module.init(
+            project="mmrl", name=name, dir=str(run_dir), config=config, id=run_id, resume="allow"
+        )
+    else:
+        run = module.init(
+            project="mmrl",
+            experiment_name=name,
+            logdir=str(run_dir / "swanlab"),
+            config=config,
+            id=run_id,
+            resume="allow",
+        )
+    new_id = getattr(run, "id", None)
+    if new_id and not run_id:
+        id_file.write_text(str(new_id))
+    return module
 
 
 def _plain(value: Any) -> Any:

@@ -111,7 +111,13 @@ class Trainer:
         self.ref: Any = None
         self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.kl_ctrl = make_kl_controller(cfg)
-        self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, self.console)
+        self.logger = MetricsLogger(
+            self.run_dir,
+            cfg.trainer.loggers,
+            self.console,
+            name=cfg.trainer.experiment_name,
+            config=cfg.model_dump(mode="json"),
+        )
         self.step = 0
         self.resumed_from: Path | None = None
         # A run of steps whose every update was skipped (non-finite gradients): how many, and the
@@ -145,13 +151,7 @@ class Trainer:
                     metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
                 self._check_numerics(metrics, before)
-                due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps
-                if self.last_good is not None and self.step < cfg.total_steps:
-                    # A save now would be newer than the last good state that a stop must leave as the newest.
-                    self.save_deferred = self.save_deferred or bool(due)
-                elif due or self.save_deferred:
-                    self.save()
-                    self.save_deferred = False
+                self._save_if_due()
                 bar.update(task, completed=self.step, info=_progress_info(metrics))
         plot_reward_curve(
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
@@ -159,6 +159,17 @@ class Trainer:
         self.logger.close()
         self.rewards.close()
         return {"run_dir": str(self.run_dir), "steps": self.step}
+
+    def _save_if_due(self) -> None:
+        """Periodic and final checkpoints; during a run of numerically bad steps the save waits, so
+        the last good state stays the newest checkpoint a stop would leave."""
+        cfg = self.cfg.trainer
+        due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps
+        if self.last_good is not None and self.step < cfg.total_steps:
+            self.save_deferred = self.save_deferred or bool(due)
+        elif due or self.save_deferred:
+            self.save()
+            self.save_deferred = False
 
     def train_step(self) -> dict[str, Any]:
         timer = _Timer()

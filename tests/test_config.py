@@ -159,7 +159,7 @@ def test_unknown_key_without_a_close_match_lists_the_allowed_keys() -> None:
         ("rollout.n=abc", "rollout.n", "'abc'"),
         ("actor.lr=fast", "actor.lr", "'fast'"),
         ("model.dtype=float64", "model.dtype", "'float64'"),
-        ("trainer.loggers=[wandb]", "trainer.loggers.0", "'wandb'"),
+        ("trainer.loggers=[mlflow]", "trainer.loggers.0", "'mlflow'"),
         ("data.train_batch_size=0", "data.train_batch_size", "0"),
         ("actor.lr=-1", "actor.lr", "-1"),
     ],
