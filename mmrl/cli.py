@@ -1,4 +1,4 @@
-"""`mmrl` command line: train, eval, quickstart, config show, model init-tiny, data synth."""
+"""`mmrl` command line: train, eval, export, quickstart, config show, model init-tiny, data synth."""
 
 from __future__ import annotations
 
@@ -59,6 +59,15 @@ def _eval(args: argparse.Namespace) -> int:
         out=args.out,
     )
     print_table(result, Console())
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mmrl.evaluate import resolve_checkpoint
+    from mmrl.lora import export_plain
+
+    out = export_plain(resolve_checkpoint(args.checkpoint), Path(args.out))
+    print(f"plain transformers checkpoint written to {out}")
     return 0
 
 
@@ -134,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--out", default=None, help="JSON file (default: eval_*.json beside the model)")
     ev.set_defaults(func=_eval)
+
+    export = sub.add_parser("export", help="write a checkpoint as a plain HF model folder (LoRA merged)")
+    export.add_argument("checkpoint", help="a run folder, a checkpoints/step_N folder or a model folder")
+    export.add_argument("out", help="an empty or new folder")
+    export.set_defaults(func=_export)
 
     quick = sub.add_parser(
         "quickstart", help="build a tiny model and a visual task, then train it on this CPU"

@@ -91,3 +91,22 @@ def load_with_adapter(folder: Path, device: str = "cpu") -> nn.Module:
     model = load_policy(base, device=device)
     model.load_adapter(str(folder))
     return model
+
+
+def export_plain(folder: Path, out: Path) -> Path:
+    """A checkpoint as a plain transformers model folder: a LoRA adapter is merged into its base, so
+    the result loads with `from_pretrained` (and in vLLM) with no peft involved."""
+    from mmrl.models import load_policy, load_processor
+
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new folder for the export")
+    if is_adapter(folder):
+        from peft import PeftModel
+
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        model = PeftModel.from_pretrained(load_policy(base), str(folder)).merge_and_unload()
+    else:
+        model = load_policy(folder)
+    model.save_pretrained(out)
+    load_processor(folder).save_pretrained(out)
+    return out

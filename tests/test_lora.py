@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from mmrl import checkpoint as ckpt
+from mmrl.cli import main
 from mmrl.config import LoraConfig, load_config
 from mmrl.logger import read_metrics
 from mmrl.lora import apply_lora, load_with_adapter
@@ -100,6 +101,15 @@ def test_lora_run_keeps_the_base_saves_a_peft_adapter_and_resumes_exactly(tmp_pa
         straight.model.eval()
         torch.testing.assert_close(
             plain(input_ids=ids).logits, straight.model(input_ids=ids).logits, rtol=0, atol=1e-5
+        )
+
+    # `mmrl export` merges the adapter: a plain checkpoint with the same outputs and no peft files.
+    assert main(["export", str(tmp_path / "a"), str(tmp_path / "exported")]) == 0
+    assert not (tmp_path / "exported" / "adapter_config.json").exists()
+    exported = load_policy(tmp_path / "exported").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            exported(input_ids=ids).logits, straight.model(input_ids=ids).logits, rtol=0, atol=1e-5
         )
 
     # Stopped at step 2 and resumed: the same adapter as the uninterrupted run.
