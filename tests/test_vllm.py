@@ -15,10 +15,10 @@ from helpers import BUDGET, mixed_prompts
 
 from mmrl.actor import Actor, forward_logprobs
 from mmrl.cli import main
-from mmrl.config import ActorConfig
+from mmrl.config import ActorConfig, VLLMConfig
 from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
-from mmrl.rollout import HFEngine, SamplingParams, VLLMSettings, make_engine, resolve_engine
+from mmrl.rollout import HFEngine, SamplingParams, make_engine, resolve_engine
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.synthetic import generate
 
@@ -32,7 +32,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     model = load_policy(tiny_model_dir).eval()
-    settings = VLLMSettings(max_model_len=512, enforce_eager=True, verify_sync_every=0)
+    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
     engine = make_engine(
         "vllm",
         model,

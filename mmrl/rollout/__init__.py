@@ -7,16 +7,16 @@ from typing import Any
 
 import torch
 
+from mmrl.config import VLLMConfig
 from mmrl.rollout.base import RolloutEngine, SamplingParams
 from mmrl.rollout.hf import HFEngine
-from mmrl.rollout.vllm import VLLMEngine, VLLMSettings, vllm_available
+from mmrl.rollout.vllm import VLLMEngine, vllm_available
 
 __all__ = [
     "HFEngine",
     "RolloutEngine",
     "SamplingParams",
     "VLLMEngine",
-    "VLLMSettings",
     "engine_from_config",
     "make_engine",
     "resolve_engine",
@@ -44,7 +44,7 @@ def make_engine(
     compute_dtype: torch.dtype,
     *,
     model_path: str | Path | None = None,
-    vllm: VLLMSettings | None = None,
+    vllm: VLLMConfig | None = None,
     pixels: tuple[int, int] = (28 * 28, 1024 * 28 * 28),
     seed: int = 0,
 ) -> RolloutEngine:
@@ -54,7 +54,7 @@ def make_engine(
         return HFEngine(model, processor, compute_dtype)
     if model_path is None:
         raise ValueError("the vLLM engine needs the model's folder (model_path)")
-    return VLLMEngine(model, processor, model_path, compute_dtype, vllm or VLLMSettings(), *pixels, seed=seed)
+    return VLLMEngine(model, processor, model_path, compute_dtype, vllm or VLLMConfig(), *pixels, seed=seed)
 
 
 def engine_from_config(
@@ -67,7 +67,7 @@ def engine_from_config(
         processor,
         compute_dtype,
         model_path=model_path,
-        vllm=VLLMSettings(**cfg.rollout.vllm.model_dump()),
+        vllm=cfg.rollout.vllm,
         pixels=(cfg.data.min_pixels, cfg.data.max_pixels),
         seed=cfg.trainer.seed,
     )

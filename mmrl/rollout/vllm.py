@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +19,13 @@ import torch
 
 from mmrl.algorithms import BLOCKED_LOGIT
 from mmrl.batch import Batch
+from mmrl.config import VLLMConfig
 from mmrl.data import PromptSample
 from mmrl.lora import merged_state
 from mmrl.models import never_generated_ids
 from mmrl.rollout.base import SamplingParams
 
 log = logging.getLogger("mmrl.rollout.vllm")
-
-
-@dataclass(frozen=True)
-class VLLMSettings:
-    """The engine's knobs (config `rollout.vllm`); `kv_cache_gb` applies on CPU only."""
-
-    gpu_memory_utilization: float = 0.6
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    kv_cache_gb: float = 1.0
-    sleep_between_rollouts: bool = True
-    verify_sync_every: int = 10
 
 
 class WeightSyncError(RuntimeError):
@@ -87,7 +73,7 @@ class VLLMEngine:
         processor: Any,
         model_path: str | Path,
         compute_dtype: torch.dtype,
-        settings: VLLMSettings,
+        settings: VLLMConfig,
         min_pixels: int,
         max_pixels: int,
         seed: int = 0,
