@@ -23,11 +23,20 @@ from mmrl.algorithms import (
     masked_mean,
 )
 from mmrl.batch import Batch
-from mmrl.config import ActorConfig
+from mmrl.config import ActorConfig, Config
 from mmrl.models import autocast_for, never_generated_ids
-from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minibatch
+from mmrl.optim import (
+    MiniBatch,
+    UpdateStats,
+    make_optimizer,
+    minibatch_updates,
+    per_minibatch,
+    plan_minibatches,
+)
 from mmrl.rollout.hf import left_pad, vision_inputs
 from processors import mrope_position_ids
+
+SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
 
 def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
@@ -68,6 +77,18 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     return hidden[:, start : start + response.shape[1]]
 
 
+def response_logits(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
+    """LM-head logits (B, T, V) at the response positions.
+
+    A policy sharded with FSDP2 carries this computation as a registered forward method
+    (`mmrl.workers.fsdp.shard_policy`), so its shards are gathered around it and its gradients
+    reduced after it, as for `forward` itself."""
+    sharded = getattr(model, SHARDED_LOGITS, None)
+    if sharded is not None:
+        return sharded(batch, pad_id)
+    return model.lm_head(response_hidden(model, batch, pad_id))
+
+
 def forward_logprobs(
     model: Any,
     batch: Batch,
@@ -82,8 +103,7 @@ def forward_logprobs(
     softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
     `with_entropy="grad"`."""
     with autocast_for(model, compute_dtype):
-        hidden = response_hidden(model, batch, pad_id)
-        logits = model.lm_head(hidden).float() / temperature
+        logits = response_logits(model, batch, pad_id).float() / temperature
         logits = block_tokens(logits, never_generated_ids(model.config))
     logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
     entropy = None
@@ -153,14 +173,9 @@ class Actor:
         self.optimizer, self.scheduler = make_optimizer(params, cfg, total_updates)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
 
-    def needs_old_logprobs(self, num_rows: int, group_size: int) -> bool:
-        """Old log-probs equal the current ones (detached) when the batch is used for exactly one
-        optimizer step, so the extra forward pass is skipped then."""
-        mini_rows = self.cfg.mini_batch_size * group_size
-        return self.cfg.ppo_epochs > 1 or num_rows > mini_rows
-
-    def logprobs(self, model: Any, batch: Batch) -> torch.Tensor:
-        """Log-probs of every row under `model` (the policy or the frozen reference), micro-batched."""
+    def logprobs(self, batch: Batch, model: Any = None) -> torch.Tensor:
+        """Log-probs of every row under `model` (default: the policy; or the frozen reference), micro-batched."""
+        model = model if model is not None else self.model
         return evaluate_rows(
             model,
             batch,
@@ -170,19 +185,16 @@ class Actor:
             )[0],
         )
 
-    def update(self, batch: Batch, group_size: int) -> UpdateStats:
-        """`ppo_epochs` passes over shuffled mini-batches of `mini_batch_size` prompts' responses."""
-        cfg = self.cfg
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        """One optimizer step per planned mini-batch (see `plan`)."""
         return minibatch_updates(
             self.model,
             self.optimizer,
             self.scheduler,
             batch,
-            rows_per_step=cfg.mini_batch_size * group_size,
-            micro_batch_size=cfg.micro_batch_size,
-            epochs=cfg.ppo_epochs,
-            max_grad_norm=cfg.max_grad_norm,
-            horizon=self.response_len,
+            plan,
+            micro_batch_size=self.cfg.micro_batch_size,
+            max_grad_norm=self.cfg.max_grad_norm,
             micro_step=self._micro_step,
             prefix="actor",
         )
@@ -231,3 +243,41 @@ class Actor:
         loss.backward()
         stats.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
         return per_minibatch(stats, len(micro), totals)
+
+
+def optimizer_steps(cfg: Config, epochs: int) -> int:
+    """Optimizer steps over the whole run, the length of the learning-rate schedule."""
+    return cfg.trainer.total_steps * epochs * (cfg.data.train_batch_size // cfg.actor.mini_batch_size)
+
+
+def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype) -> Actor:
+    """The run's actor over `model`'s trainable parameters (all of them, or the LoRA adapters)."""
+    return Actor(
+        model,
+        cfg.actor,
+        pad_id,
+        cfg.rollout.temperature or 1.0,
+        cfg.rollout.max_new_tokens,
+        total_updates=optimizer_steps(cfg, cfg.actor.ppo_epochs),
+        compute_dtype=compute_dtype,
+    )
+
+
+def needs_reference(cfg: Config) -> bool:
+    """A frozen KL reference is loaded only when a KL loss or KL reward uses it."""
+    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+
+
+def needs_old_logprobs(cfg: Config, num_rows: int) -> bool:
+    """Old log-probs equal the current ones (detached) when the batch is used for exactly one
+    optimizer step, so the extra forward pass is skipped then."""
+    mini_rows = cfg.actor.mini_batch_size * cfg.rollout.n
+    return cfg.actor.ppo_epochs > 1 or num_rows > mini_rows
+
+
+def update_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:
+    """`actor.ppo_epochs` shuffles cut into mini-batches of `actor.mini_batch_size` prompts' responses."""
+    a = cfg.actor
+    return plan_minibatches(
+        batch, a.mini_batch_size * cfg.rollout.n, a.ppo_epochs, cfg.rollout.max_new_tokens
+    )

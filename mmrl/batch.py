@@ -46,6 +46,15 @@ class Batch:
             prompts=self.prompts,
         )
 
+    def compact(self) -> Batch:
+        """The same rows with only the prompts they point into, so a worker is sent its own
+        prompts' images and not the whole batch's."""
+        used, index = self["prompt_index"].unique(sorted=True, return_inverse=True)
+        tensors = {**self.tensors, "prompt_index": index}
+        return Batch(
+            tensors=tensors, lists=dict(self.lists), prompts=[self.prompts[i] for i in used.tolist()]
+        )
+
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of at most `size` rows."""
         return [self.select(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]

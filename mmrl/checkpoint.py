@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,21 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
+def hf_writer(model: Any, processor: Any) -> Callable[[Path], None]:
+    """A checkpoint's `model/` folder as transformers writes it (under LoRA: the adapter, in peft's format)."""
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder / "model")
+        processor.save_pretrained(folder / "model")
+
+    return write
+
+
 def save_checkpoint(
-    root: Path, step: int, model: Any, processor: Any, state: dict[str, Any], keep: int
+    root: Path, step: int, write_model: Callable[[Path], Any], state: dict[str, Any], keep: int
 ) -> Path:
-    """Write `root/step_NNNNNNNN` atomically: an HF model folder plus optimizer/trainer state.
+    """Write `root/step_NNNNNNNN` atomically: the model (as `write_model` lays it out in the folder:
+    `hf_writer`, or the FSDP workers' shards) plus optimizer/trainer state.
 
     If writing fails (a full disk, Ctrl-C), the temporary folder is removed before the error goes
     on: it would hold a checkpoint's worth of space and be of no use to anyone. A disk error that
@@ -66,8 +78,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp / "model")
-        processor.save_pretrained(tmp / "model")
+        write_model(tmp)
         with (tmp / "trainer_state.pt").open("wb") as fh:  # a file object keeps a disk error's errno
             torch.save(state, fh)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}

@@ -43,6 +43,10 @@ class ModelConfig(_Section):
     path: str = Field(description="Checkpoint folder: a Qwen2.5-VL download or `mmrl model init-tiny` output")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     freeze_vision_tower: bool = False
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute layer activations in the backward pass: less memory, about 30% more time",
+    )
     lora: LoraConfig = LoraConfig()
 
 
@@ -207,6 +211,10 @@ class ActorConfig(_OptimSection):
     kl_loss_coef: float = Field(0.01, ge=0)
     kl_loss_type: KLEstimatorName = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)
+    offload: bool = Field(
+        False,
+        description="With Ray workers (FSDP2): keep parameters, gradients and AdamW state in CPU memory",
+    )
 
 
 class CriticConfig(_OptimSection):
@@ -278,6 +286,29 @@ class TrainerConfig(_Section):
     ]
     progress: bool = True
     gallery_samples: int = Field(32, ge=0, description="Validation samples per gallery page; 0 writes none")
+    nnodes: int = Field(1, gt=0, description="Nodes of the Ray cluster that run actor workers")
+    n_gpus_per_node: int = Field(
+        1,
+        gt=0,
+        description="Actor workers per node, one GPU each; on machines without GPUs each takes "
+        "trainer.cpus_per_worker CPU cores. nnodes x n_gpus_per_node > 1 trains with FSDP2 across Ray workers",
+    )
+    cpus_per_worker: int = Field(1, gt=0)
+    ray_address: str | None = Field(
+        None,
+        description="Join a running Ray cluster ('auto', or the head's host:port from `ray start --head`); "
+        "unset starts a local one when workers are used",
+    )
+    dist_timeout_s: float = Field(600.0, gt=0, description="How long a collective waits for a silent rank")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def uses_workers(self) -> bool:
+        """Ray worker groups (and FSDP2) instead of training inside the controller's process."""
+        return self.world_size > 1 or self.ray_address is not None
 
 
 class Config(_Section):
@@ -333,12 +364,28 @@ class Config(_Section):
                 f"critic.pretrain_steps ({self.critic.pretrain_steps}) must be below trainer.total_steps "
                 f"({self.trainer.total_steps}), or the actor never trains"
             )
+        if self.trainer.uses_workers:
+            self._check_workers_supported()
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
                 "group, so it needs rollout.n >= 2"
             )
         return self
+
+    def _check_workers_supported(self) -> None:
+        """What the Ray worker path does not do yet, refused up front rather than ignored."""
+        unsupported = {
+            "algorithm.adv_estimator=gae (the critic runs in-process only)": self.algorithm.adv_estimator
+            == "gae",
+            "rollout.engine=vllm (workers generate with their HF shards)": self.rollout.engine == "vllm",
+        }
+        refused = [name for name, hit in unsupported.items() if hit]
+        if refused:
+            raise ValueError(
+                f"trainer.nnodes x trainer.n_gpus_per_node = {self.trainer.world_size} Ray workers do not support "
+                f"{'; '.join(refused)} yet. Train on one worker (trainer.n_gpus_per_node=1) or change these settings."
+            )
 
     @property
     def run_dir(self) -> Path:

@@ -17,7 +17,7 @@ from mmrl.algorithms import clipped_value_loss
 from mmrl.batch import Batch
 from mmrl.config import CriticConfig
 from mmrl.models import autocast_for, load_policy
-from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minibatch
+from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minibatch, plan_minibatches
 
 
 class ValueModel(nn.Module):
@@ -88,11 +88,9 @@ class Critic:
             self.optimizer,
             self.scheduler,
             batch,
-            rows_per_step=rows_per_step,
+            plan_minibatches(batch, rows_per_step, epochs, self.response_len),
             micro_batch_size=self.micro_batch_size,
-            epochs=epochs,
             max_grad_norm=self.cfg.max_grad_norm,
-            horizon=self.response_len,
             micro_step=self._micro_step,
             prefix="critic",
         )

@@ -15,3 +15,11 @@ class CheckpointError(RunStopped):
 
 class NumericalError(RunStopped):
     """Too many steps in a row had non-finite gradients; the last good state was saved first."""
+
+
+class WorkerError(RunStopped):
+    """A Ray worker died or raised; the message names the worker, where it ran, and the step."""
+
+
+class ResourceError(RunStopped):
+    """The Ray cluster cannot hold the workers asked for; raised at startup instead of waiting forever."""

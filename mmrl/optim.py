@@ -59,21 +59,50 @@ class UpdateStats:
     steps: int  # optimizer steps attempted, skipped ones included
 
 
+@dataclass
+class MiniBatch:
+    """One optimizer step's rows (indices into the batch) and the totals its losses are divided by.
+
+    The totals are the whole mini-batch's, even where a worker holds only its share of the rows:
+    summing the workers' gradients then gives exactly the one-process gradient."""
+
+    rows: torch.Tensor
+    totals: dict[str, float]
+
+
+def plan_minibatches(batch: Batch, rows_per_step: int, epochs: int, horizon: int) -> list[MiniBatch]:
+    """`epochs` shuffles of the batch cut into mini-batches of `rows_per_step` rows, in step order."""
+    plan = []
+    for _ in range(epochs):
+        order = torch.randperm(len(batch))
+        for start in range(0, len(batch), rows_per_step):
+            rows = order[start : start + rows_per_step]
+            plan.append(
+                MiniBatch(
+                    rows,
+                    {  # at least 1 token: mask_truncated may leave a mini-batch with none
+                        "num_tokens": max(1.0, float(batch["response_mask"][rows].sum())),
+                        "num_seqs": float(len(rows)),
+                        "horizon": horizon,
+                    },
+                )
+            )
+    return plan
+
+
 def minibatch_updates(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: Batch,
+    plan: list[MiniBatch],
     *,
-    rows_per_step: int,
     micro_batch_size: int,
-    epochs: int,
     max_grad_norm: float,
-    horizon: int,
     micro_step: MicroStep,
     prefix: str,
 ) -> UpdateStats:
-    """`epochs` passes over shuffled mini-batches of `rows_per_step` rows, one optimizer step each.
+    """One optimizer step per planned mini-batch.
 
     Gradients accumulate over micro-batches whose losses are normalised by the mini-batch's totals
     (`num_tokens`, `num_seqs`, `horizon`), so micro-batching never changes the result. A non-finite
@@ -81,31 +110,30 @@ def minibatch_updates(
     learning-rate schedule, so a skipped step leaves the state exactly as it was."""
     model.train()
     sums: dict[str, float] = {}
-    count, skipped = 0, 0
-    for _ in range(epochs):
-        order = torch.randperm(len(batch))
-        for start in range(0, len(batch), rows_per_step):
-            mini = batch.select(order[start : start + rows_per_step])
-            totals = {  # at least 1 token: mask_truncated may leave a mini-batch with none
-                "num_tokens": max(1.0, float(mini["response_mask"].sum())),
-                "num_seqs": float(len(mini)),
-                "horizon": horizon,
-            }
+    skipped = 0
+    for step in plan:
+        mini = batch.select(step.rows)
+        optimizer.zero_grad(set_to_none=True)
+        for micro in mini.split(micro_batch_size):
+            for key, value in micro_step(micro, step.totals).items():
+                sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
+        grad_norm = _total_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+        sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+        else:
+            skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            for micro in mini.split(micro_batch_size):
-                for key, value in micro_step(micro, totals).items():
-                    sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-            sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
-            if math.isfinite(grad_norm):
-                optimizer.step()
-                scheduler.step()
-            else:
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-            sums[f"{prefix}/grad_norm"] = sums.get(f"{prefix}/grad_norm", 0.0) + grad_norm
-            count += 1
+        sums[f"{prefix}/grad_norm"] = sums.get(f"{prefix}/grad_norm", 0.0) + grad_norm
+    count = len(plan)
     return UpdateStats(metrics={k: v / count for k, v in sums.items()}, skipped_steps=skipped, steps=count)
+
+
+def _total_norm(norm: torch.Tensor) -> float:
+    """The gradient norm as a float; under FSDP2 it is a DTensor whose full value needs the other shards."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full else norm)
 
 
 def per_minibatch(stats: dict[str, float], rows: int, totals: dict[str, float]) -> dict[str, float]:

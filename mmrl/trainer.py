@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,10 +28,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from mmrl import checkpoint as ckpt
 from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
-from mmrl.actor import Actor
+from mmrl.actor import Actor, build_actor, needs_old_logprobs, needs_reference, optimizer_steps, update_plan
 from mmrl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -45,7 +46,7 @@ from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptDataset, PromptLoader, PromptSample
-from mmrl.errors import CheckpointError, NumericalError, RolloutError
+from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.gallery import GalleryItem, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
@@ -55,6 +56,9 @@ from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward
 from mmrl.warmup import format_warmup
 from processors import PixelBudget
 from rewards import RewardManager
+
+if TYPE_CHECKING:
+    from mmrl.workers.group import PolicyGroup
 
 log = logging.getLogger("mmrl.trainer")
 
@@ -88,16 +92,24 @@ class Trainer:
         )
         # Trained weights stay fp32; `model.dtype` sets the compute precision (autocast).
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
-        self.model = load_policy(cfg.model.path, torch.float32, device)
         self.processor = load_processor(cfg.model.path)
-        if cfg.model.freeze_vision_tower:
-            self.model.model.visual.requires_grad_(False)
         self.pad_id = self.processor.tokenizer.pad_token_id
-        self.train_set, self.val_samples = build_datasets(cfg, self.processor, self.model.config)
+        # With Ray workers the policy lives in them (FSDP2 shards); the controller holds no weights.
+        self.workers: PolicyGroup | None = None
+        self.model: Any = None
+        if not cfg.trainer.uses_workers:
+            self.model = load_policy(cfg.model.path, torch.float32, device)
+            if cfg.model.freeze_vision_tower:
+                self.model.model.visual.requires_grad_(False)
+            if cfg.model.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        model_config = AutoConfig.from_pretrained(cfg.model.path)
+        self.train_set, self.val_samples = build_datasets(cfg, self.processor, model_config)
         self.loader = PromptLoader(
             self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
         )
-        self.engine = engine_from_config(cfg, self.model, self.processor, self.compute_dtype, cfg.model.path)
         self.rewards = RewardManager(
             [f.model_dump() for f in cfg.reward.functions],
             timeout_s=cfg.reward.timeout_s,
@@ -106,7 +118,13 @@ class Trainer:
         )
         self.accuracy_key = reward_label(cfg.reward.functions[0].name)
         self.peft: Any = None  # the PeftModel wrapper once LoRA adapters are in
-        self.actor = self._make_actor()
+        self.engine: Any
+        self.actor: Any
+        if self.model is not None:
+            self.engine = engine_from_config(
+                cfg, self.model, self.processor, self.compute_dtype, cfg.model.path
+            )
+            self.actor = self._make_actor()
         self.critic = self._make_critic(cfg.critic.model_path or cfg.model.path)
         self.ref: Any = None
         self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -125,30 +143,41 @@ class Trainer:
         self.bad_steps = 0
         self.last_good: dict[str, Any] | None = None
         self.save_deferred = False
+        if cfg.trainer.uses_workers:
+            self._start_workers(resume)
         if resume:
             self._resume()
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
+        try:
+            return self._fit()
+        finally:
+            if self.workers is not None:
+                self.workers.shutdown()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg.trainer
-        if self.resumed_from is None and self.cfg.warmup.steps:
-            self._warmup()
-        if self.cfg.model.lora.rank and self.peft is None:
+        if self.resumed_from is None and self.cfg.warmup.steps and self.workers is None:
+            self._warmup(self.model)
+        if self.cfg.model.lora.rank and self.peft is None and self.workers is None:
             self._apply_lora()  # after the warm-up: adapters start on the model RL starts from
         self.ref = self._reference()
         self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
         # A resumed run's step-0 record is already in the log (a checkpoint of step 0 is written when
         # the very first steps all fail numerically).
         if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self.val_samples:
-            self.logger.log(0, self.validate())
+            with self._worker_errors():
+                self.logger.log(0, self.validate())
         with self._progress() as bar:
             task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")
             while self.step < cfg.total_steps:
                 before = self._small_state()
                 self.step += 1
-                metrics = self.train_step()
-                if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
-                    metrics.update(self.validate())
+                with self._worker_errors():
+                    metrics = self.train_step()
+                    if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
+                        metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
                 self._check_numerics(metrics, before)
                 self._save_if_due()
@@ -178,9 +207,9 @@ class Trainer:
         if not len(batch):  # dynamic sampling kept no group and on_unfilled=continue: nothing to learn
             return metrics
         algo = self.cfg.algorithm
-        if algo.use_kl_in_reward or self.actor.needs_old_logprobs(len(batch), self.cfg.rollout.n):
+        if algo.use_kl_in_reward or needs_old_logprobs(self.cfg, len(batch)):
             with timer("old_logprobs"):
-                batch.set(old_logprobs=self.actor.logprobs(self.model, batch))
+                batch.set(old_logprobs=self.actor.logprobs(batch))
         if self.ref is not None:
             with timer("ref"):
                 batch.set(ref_logprobs=self._ref_logprobs(batch))
@@ -198,7 +227,7 @@ class Trainer:
                 metrics.update(self._update_critic(batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
-                stats = self.actor.update(batch, self.cfg.rollout.n)
+                stats = self.actor.update(batch, update_plan(self.cfg, batch))
             with timer("sync"):
                 self.engine.sync_weights()
             metrics.update(stats.metrics)
@@ -374,22 +403,19 @@ class Trainer:
     def save(self, small_state: dict[str, Any] | None = None) -> Path:
         """Checkpoint the model, optimizer and `small_state` (default: as they are now)."""
         small = small_state or self._small_state()
-        state = {
-            **small,
-            "optimizer": self.actor.optimizer.state_dict(),
-            "scheduler": self.actor.scheduler.state_dict(),
-        }
+        state = dict(small)
+        if self.workers is not None:  # each worker writes its own shards of weights and AdamW state
+            write_model: Any = self.workers.save
+        else:  # under LoRA the adapter alone, in peft's format
+            write_model = ckpt.hf_writer(self.peft or self.model, self.processor)
+            state["optimizer"] = self.actor.optimizer.state_dict()
+            state["scheduler"] = self.actor.scheduler.state_dict()
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         root = self.run_dir / "checkpoints"
         try:
             return ckpt.save_checkpoint(
-                root,
-                small["step"],
-                self.peft or self.model,  # under LoRA: the adapter alone, in peft's format
-                self.processor,
-                state,
-                self.cfg.trainer.keep_checkpoints,
+                root, small["step"], write_model, state, self.cfg.trainer.keep_checkpoints
             )
         except OSError as err:
             raise CheckpointError(_save_failure(root, small["step"], err)) from err
@@ -434,13 +460,16 @@ class Trainer:
                 f"[yellow]--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh"
             )
             return
-        if self.cfg.model.lora.rank:
-            self._load_lora(folder)
-        else:
-            ckpt.load_model_weights(self.model, folder)
         state = ckpt.load_trainer_state(folder)
-        self.actor.optimizer.load_state_dict(state["optimizer"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
+        if self.workers is not None:
+            self.workers.load(folder)
+        else:
+            if self.cfg.model.lora.rank:
+                self._load_lora(folder)
+            else:
+                ckpt.load_model_weights(self.model, folder)
+            self.actor.optimizer.load_state_dict(state["optimizer"])
+            self.actor.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         self.train_set.bad_rows = dict(state["bad_rows"])
         ckpt.set_rng_state(state["rng"])
@@ -454,17 +483,47 @@ class Trainer:
         note = f"; {redone} metrics records logged after it were dropped, to be redone" if redone else ""
         self.console.print(f"resumed from {folder} at step {self.step}{note}")
 
-    def _warmup(self) -> None:
+    def _warmup(self, model: Any) -> None:
         samples = self.train_set.prepare_all(limit=512)
         losses = format_warmup(
-            self.model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
+            model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
         )
-        self.model.save_pretrained(
-            self.run_dir / "warmup_model"
-        )  # the RL starting point, and the KL reference
+        model.save_pretrained(self.run_dir / "warmup_model")  # the RL starting point, and the KL reference
         self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if self.critic is not None and not self.cfg.critic.model_path:
             self.critic = self._make_critic(self.run_dir / "warmup_model")  # the critic starts where RL does
+
+    def _start_workers(self, resume: bool) -> None:
+        """Start the Ray actor group on the weights RL starts from: the configured model, or the format
+        warm-up's output, which the controller makes first (in-process, once) when a fresh run has one."""
+        start = self._lora_base()
+        if self.cfg.warmup.steps and not (start / "config.json").exists():
+            if resume and ckpt.latest_checkpoint(self.run_dir / "checkpoints") is not None:
+                raise FileNotFoundError(
+                    f"{start} is missing: the checkpoints of this run were trained from it"
+                )
+            with torch.random.fork_rng(devices=_rng_devices()):
+                self._warmup(load_policy(self.cfg.model.path))
+        from mmrl.workers.group import PolicyGroup  # Ray is imported only by runs that use it
+
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.model.path = str(start)
+        self.workers = PolicyGroup(cfg)
+        self.engine = self.actor = self.workers
+        self.console.print(
+            f"{self.workers.world} actor workers (FSDP2) on {len(set(self.workers.nodes))} node(s)"
+        )
+
+    @contextmanager
+    def _worker_errors(self) -> Iterator[None]:
+        """A dead or failing Ray worker stops the run with the step it happened in and what to do."""
+        try:
+            yield
+        except WorkerError as err:
+            raise WorkerError(
+                f"step {self.step}: {err}. The other workers were stopped; checkpoints up to the last save are "
+                f"intact in {self.run_dir / 'checkpoints'}. Fix the cause and run again with --resume."
+            ) from err
 
     @contextmanager
     def _engine_errors(self, what: str) -> Iterator[None]:
@@ -472,17 +531,14 @@ class Trainer:
         names the step, instead of a bare traceback from deep inside the engine."""
         try:
             yield
+        except WorkerError:
+            raise  # the worker group names its own failures
         except Exception as err:
             raise RolloutError(
                 f"step {self.step}: the {type(self.engine).__name__} failed during {what}: {err!r}. Checkpoints "
                 f"up to the last save are intact in {self.run_dir / 'checkpoints'}; fix the cause and run "
                 "again with --resume."
             ) from err
-
-    def _optimizer_steps(self, epochs: int) -> int:
-        """Optimizer steps over the whole run, the length of the learning-rate schedule."""
-        cfg = self.cfg
-        return cfg.trainer.total_steps * epochs * (cfg.data.train_batch_size // cfg.actor.mini_batch_size)
 
     def _make_critic(self, start: str | Path) -> Critic | None:
         """The GAE critic, its trunk initialised from the policy weights at `start`; None without GAE."""
@@ -499,7 +555,7 @@ class Trainer:
             cfg.critic,
             self.pad_id,
             cfg.rollout.max_new_tokens,
-            total_updates=self._optimizer_steps(cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
+            total_updates=optimizer_steps(cfg, cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
             micro_batch_size=cfg.actor.micro_batch_size,
             compute_dtype=self.compute_dtype,
         )
@@ -523,9 +579,10 @@ class Trainer:
     def _reference(self) -> Any:
         """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off;
         under LoRA the policy itself, read with its adapter switched off (no second copy)."""
-        kl_loss = self.cfg.actor.use_kl_loss and self.cfg.actor.kl_loss_coef > 0
-        if not (kl_loss or self.cfg.algorithm.use_kl_in_reward):
+        if not needs_reference(self.cfg):
             return None
+        if self.workers is not None:  # each worker holds its shard of the reference
+            return self.workers
         if self.peft is not None:
             return self.model
         if self.resumed_from is None:
@@ -536,22 +593,15 @@ class Trainer:
             return load_policy(start, self.compute_dtype, str(device)).eval().requires_grad_(False)
 
     def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.workers is not None:
+            return self.workers.ref_logprobs(batch)
         if self.ref is self.model:  # LoRA: the base model is the policy without its adapter
             with self.peft.disable_adapter():
-                return self.actor.logprobs(self.model, batch)
-        return self.actor.logprobs(self.ref, batch)
+                return self.actor.logprobs(batch)
+        return self.actor.logprobs(batch, self.ref)
 
     def _make_actor(self) -> Actor:
-        cfg = self.cfg
-        return Actor(
-            self.model,
-            cfg.actor,
-            self.pad_id,
-            cfg.rollout.temperature or 1.0,
-            cfg.rollout.max_new_tokens,
-            total_updates=self._optimizer_steps(cfg.actor.ppo_epochs),
-            compute_dtype=self.compute_dtype,
-        )
+        return build_actor(self.cfg, self.model, self.pad_id, self.compute_dtype)
 
     def _lora_base(self) -> Path:
         """The weights the adapters sit on: the warm-up's output, or the configured model."""

@@ -27,7 +27,9 @@ def model(tiny_model_dir: Path) -> Any:
 
 
 def _save(root: Path, step: int, model: Any, processor: Any, keep: int = 10, **state: Any) -> Path:
-    return ckpt.save_checkpoint(root, step, model, processor, {"step": step, **state}, keep=keep)
+    return ckpt.save_checkpoint(
+        root, step, ckpt.hf_writer(model, processor), {"step": step, **state}, keep=keep
+    )
 
 
 def _perturb(model: Any, seed: int) -> None:

@@ -78,9 +78,9 @@ def test_lora_run_keeps_the_base_saves_a_peft_adapter_and_resumes_exactly(tmp_pa
     base = load_policy(tmp_path / "a" / "warmup_model")
     batch = straight.engine.generate(straight.train_set.prepare_all(limit=4), straight.train_sampling)
     reference = straight._ref_logprobs(batch)
-    expected = straight.actor.logprobs(base, batch)
+    expected = straight.actor.logprobs(batch, base)
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
-    assert not torch.allclose(straight.actor.logprobs(straight.model, batch), expected, atol=1e-3)
+    assert not torch.allclose(straight.actor.logprobs(batch), expected, atol=1e-3)
 
     # Base weights untouched; the adapters moved.
     merged_names = {

@@ -18,6 +18,7 @@ from mmrl.cli import main
 from mmrl.config import ActorConfig, VLLMConfig
 from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
+from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams, make_engine, resolve_engine
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.synthetic import generate
@@ -119,7 +120,7 @@ def test_after_an_update_step_vllm_matches_hf_and_a_skipped_sync_is_caught(engin
         total_updates=1,
     )
     before = _greedy(hf, prompts)
-    actor.update(batch, group_size=4)
+    actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=8))
     engine.model.eval()
     assert not torch.equal(_greedy(hf, prompts), before), "the update should change the greedy answers"
     with pytest.raises(WeightSyncError, match="did not arrive"):

@@ -41,9 +41,18 @@ class HFEngine:
 
     logprobs_are_free = False  # they cost a (B, V) logits tensor per step
 
-    def __init__(self, model: Any, processor: Any, compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        compute_dtype: torch.dtype = torch.float32,
+        synced_gpus: bool = False,
+    ) -> None:
+        """`synced_gpus` keeps every rank of an FSDP group stepping until all ranks' sequences are done:
+        each step gathers the shards, so a rank that stopped early would leave the others waiting."""
         self.model = model
         self.compute_dtype = compute_dtype
+        self.synced_gpus = synced_gpus
         self.tokenizer = processor.tokenizer
         cfg = model.config
         self.blocked = never_generated_ids(cfg)
@@ -68,6 +77,7 @@ class HFEngine:
                 mm_token_type_ids=mm_types.to(device),
                 **extra,
                 generation_config=self._generation_config(params, stop),
+                synced_gpus=self.synced_gpus,
             )
         self.model.train(was_training)
         response = out.sequences[:, ids.shape[1] :]

@@ -1,0 +1,77 @@
+"""FSDP2 for the policy: the process group, which modules become shards, and whole-model state.
+
+Every decoder layer and every vision block is its own FSDP unit, so only one layer is ever
+gathered at a time; the root unit holds the rest (embeddings, tied LM head, norms, patch
+embedding and merger). Gradients are summed, not averaged, across ranks: each rank's loss is
+already divided by the whole mini-batch's totals (`optim.MiniBatch`), so the sum is exactly the
+one-process gradient.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from mmrl.actor import SHARDED_LOGITS, response_hidden
+
+
+def init_process_group(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> torch.device:
+    """Join the group (nccl on GPU, gloo on CPU) and return this rank's device.
+
+    Ray gives each GPU worker exactly one visible GPU, so it is always `cuda:0` in the worker."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+
+
+def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
+    """Shard `model` in place with `fully_shard` and make `actor.response_logits` FSDP-aware.
+
+    Mixed precision casts the gathered parameters to `compute_dtype` (bf16 on GPUs) and reduces
+    gradients in fp32; the sharded master weights and AdamW state stay fp32. `offload` keeps
+    parameters, gradients and optimizer state in CPU memory between uses."""
+    kwargs: dict[str, Any] = {}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in model.model.visual.blocks:
+        fully_shard(block, **kwargs)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    setattr(model, SHARDED_LOGITS, partial(_response_logits, model))
+    register_fsdp_forward_method(model, SHARDED_LOGITS)
+    return model
+
+
+def _response_logits(model: Any, batch: Any, pad_id: int) -> torch.Tensor:
+    return model.lm_head(response_hidden(model, batch, pad_id))
+
+
+def full_state_dict(model: Any, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state on CPU, on every rank (a collective: every rank must call it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)

@@ -1,0 +1,251 @@
+"""Ray worker groups: placement on the cluster's nodes, and coarse methods run on every rank.
+
+The controller (the trainer's loop) stays a plain loop; `PolicyGroup` splits each batch across
+the ranks and gathers the results, so the loop reads the same with one process or many.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mmrl.batch import Batch, concat
+from mmrl.config import Config
+from mmrl.data import PromptSample
+from mmrl.errors import ResourceError, WorkerError
+from mmrl.optim import MiniBatch, UpdateStats
+from mmrl.rollout import SamplingParams
+from mmrl.workers.policy import PolicyWorker
+
+log = logging.getLogger("mmrl.workers")
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at `address` ('auto' finds one started with `ray start`), or start a local
+    one with every CPU and GPU of this machine."""
+    if ray.is_initialized():
+        return
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def _describe(nodes: list[dict[str, Any]]) -> str:
+    return ", ".join(
+        f"{n['NodeManagerAddress']} ({n['Resources'].get('CPU', 0):g} CPUs, {n['Resources'].get('GPU', 0):g} GPUs)"
+        for n in nodes
+    )
+
+
+def check_fits(bundle: dict[str, float], nnodes: int, per_node: int) -> None:
+    """Refuse at once when no placement could ever hold the workers, instead of waiting for one.
+
+    Each of `nnodes` nodes must hold `per_node` bundles; `trainer.n_gpus_per_node` is per node, as
+    in a real multi-node job, so a node too small for its share fails here even if the cluster's
+    total would do."""
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    fitting = [n for n in nodes if all(n["Resources"].get(k, 0) >= v * per_node for k, v in bundle.items())]
+    if len(fitting) < nnodes:
+        want = " + ".join(f"{v * per_node:g} {k}" for k, v in bundle.items())
+        raise ResourceError(
+            f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node} needs {nnodes} node(s) with {want} each; "
+            f"the Ray cluster has {len(nodes)} node(s): {_describe(nodes)}, and {len(fitting)} of them can hold that. "
+            "Lower trainer.nnodes / trainer.n_gpus_per_node / trainer.cpus_per_worker, or add nodes "
+            "(`ray start --address=<head>:6379` on each, then trainer.ray_address=auto)."
+        )
+
+
+class WorkerGroup:
+    """`world_size` Ray actors of one class, `per_node` to a node, each pinned to one bundle of a
+    per-node placement group (one GPU, or `cpus_per_worker` CPUs)."""
+
+    def __init__(self, cls: type, cfg: Config, name: str) -> None:
+        t = cfg.trainer
+        self.name = name
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        bundle = {"CPU": float(t.cpus_per_worker), **({"GPU": 1.0} if use_gpu else {})}
+        check_fits(bundle, t.nnodes, t.n_gpus_per_node)
+        self.placements: list[PlacementGroup] = [
+            placement_group([bundle] * t.n_gpus_per_node, strategy="STRICT_PACK") for _ in range(t.nnodes)
+        ]
+        ready, _ = ray.wait(
+            [pg.ready() for pg in self.placements], num_returns=t.nnodes, timeout=PLACEMENT_TIMEOUT_S
+        )
+        if len(ready) < t.nnodes:
+            self.shutdown()
+            raise ResourceError(
+                f"the Ray cluster could not place {t.nnodes} x {t.n_gpus_per_node} {name} workers ({bundle} each) "
+                f"within {PLACEMENT_TIMEOUT_S:.0f} s: other jobs hold the resources. Free them (`ray status` "
+                "shows who) or ask for fewer workers."
+            )
+        remote = ray.remote(cls)
+        self.workers = [
+            remote.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+            for pg in self.placements
+            for i in range(t.n_gpus_per_node)
+        ]
+        self.places = self.run("where", [()] * len(self.workers), what="startup")
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def run(self, method: str, args: list[tuple[Any, ...]], what: str | None = None) -> list[Any]:
+        """`method(*args[rank])` on every rank at once; results in rank order.
+
+        The first failure stops the whole group: the other ranks would wait in a collective for the
+        failed one until the process-group timeout, so they are killed and the error names the rank."""
+        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                self.shutdown()
+                raise WorkerError(self._failure(rank_of[done[0]], what or method, err)) from err
+        return ray.get(refs)
+
+    def _failure(self, rank: int, what: str, err: Exception) -> str:
+        place = self.places[rank] if getattr(self, "places", None) else {}
+        where = f" (pid {place['pid']} on node {place['ip']})" if place else ""
+        if isinstance(err, ray.exceptions.RayActorError):
+            cause = "its process died (killed, out of memory, or crashed)"
+        else:
+            cause = f"it raised {err.cause!r}" if hasattr(err, "cause") else f"it raised {err}"
+        return f"{self.name} worker {rank}{where} failed during {what}: {cause}"
+
+    def shutdown(self) -> None:
+        for worker in getattr(self, "workers", []):
+            ray.kill(worker)
+        for pg in self.placements:
+            remove_placement_group(pg)
+        self.workers = []
+
+
+def _even_shares(count: int, world: int) -> list[list[int]]:
+    """`count` items cut into `world` contiguous shares of equal length, short ones padded by
+    repeating their last item (or item 0). Equal shares mean equal micro-batch counts on every rank,
+    which FSDP's collectives need; the repeated items' results are dropped."""
+    size = math.ceil(count / world)
+    shares = []
+    for rank in range(world):
+        own = list(range(rank * size, min(count, (rank + 1) * size)))
+        shares.append(own + [own[-1] if own else 0] * (size - len(own)))
+    return shares
+
+
+def _real(count: int, world: int) -> list[int]:
+    """How many items of each `_even_shares` share are real."""
+    size = math.ceil(count / world)
+    return [max(0, min(count, (r + 1) * size) - r * size) for r in range(world)]
+
+
+class PolicyGroup:
+    """The actor/rollout workers as the controller sees them: an engine (`generate`) and an actor
+    (`logprobs`, `update`) whose batches are split across ranks and gathered back in order."""
+
+    logprobs_are_free = False
+
+    def __init__(self, cfg: Config) -> None:
+        connect(cfg.trainer.ray_address)
+        cfg = cfg.model_copy(deep=True)
+        cfg.model.path = str(Path(cfg.model.path).resolve())  # workers may start in another folder
+        self.group = WorkerGroup(PolicyWorker, cfg, "actor")
+        port = ray.get(self.group.workers[0].free_port.remote())
+        world, ip = len(self.group), self.group.places[0]["ip"]
+        self.group.run("setup", [(cfg, rank, world, ip, port) for rank in range(world)], what="startup")
+
+    @property
+    def world(self) -> int:
+        return len(self.group)
+
+    @property
+    def nodes(self) -> list[str]:
+        return [p["node"] for p in self.group.places]
+
+    # ------------------------------------------------------------ engine
+    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        seed = int(torch.randint(2**31 - 1, ()))  # from the controller's RNG, which checkpoints restore
+        shares = _even_shares(len(prompts), self.world)
+        parts = self.group.run(
+            "generate", [([prompts[i] for i in s], params, seed) for s in shares], "rollout"
+        )
+        kept = []
+        for part, real in zip(parts, _real(len(prompts), self.world), strict=True):
+            if real:
+                rows = (part["prompt_index"] < real).nonzero().squeeze(1)
+                trimmed = part.select(rows)
+                trimmed.prompts = part.prompts[:real]
+                kept.append(trimmed)
+        return concat(kept)
+
+    def sync_weights(self) -> None:
+        """Nothing to copy: each worker generates with the shards it trains."""
+
+    def sleep(self) -> None:
+        """Nothing to free: the HF engine keeps no cache between calls."""
+
+    # ------------------------------------------------------------ actor
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return self._rowwise("logprobs", batch)
+
+    def ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self._rowwise("ref_logprobs", batch)
+
+    def _rowwise(self, method: str, batch: Batch) -> torch.Tensor:
+        shares = _even_shares(len(batch), self.world)
+        parts = self.group.run(method, [(batch.select(s).compact(),) for s in shares])
+        reals = _real(len(batch), self.world)
+        return torch.cat([part[:real] for part, real in zip(parts, reals, strict=True)])
+
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        """Each rank takes an equal share of every planned mini-batch, keeping the mini-batch's totals,
+        so the summed gradient is the one-process gradient. Short shares are padded with a row that
+        carries no loss (no response tokens, zero advantage)."""
+        blank = batch.select([0])
+        blank.set(response_mask=torch.zeros_like(blank["response_mask"]))
+        blank.set(advantages=torch.zeros_like(blank["advantages"]))
+        padded = concat([batch, blank])
+        pad_row = len(batch)
+        rows: list[list[int]] = [[] for _ in range(self.world)]
+        plans: list[list[MiniBatch]] = [[] for _ in range(self.world)]
+        for step in plan:
+            ids = step.rows.tolist()
+            for rank, (share, real) in enumerate(
+                zip(_even_shares(len(ids), self.world), _real(len(ids), self.world), strict=True)
+            ):
+                local = [ids[i] for i in share[:real]] + [pad_row] * (len(share) - real)
+                start = len(rows[rank])
+                rows[rank] += local
+                plans[rank].append(MiniBatch(torch.arange(start, start + len(local)), step.totals))
+        results = self.group.run(
+            "update", [(padded.select(r).compact(), p) for r, p in zip(rows, plans, strict=True)]
+        )
+        metrics = {k: sum(r.metrics[k] for r in results) / self.world for k in results[0].metrics}
+        return UpdateStats(metrics=metrics, skipped_steps=results[0].skipped_steps, steps=results[0].steps)
+
+    # ------------------------------------------------------------ state
+    def save(self, folder: Path) -> None:
+        """Sharded weights and optimizer state into `folder` (`PolicyWorker.save`)."""
+        self.group.run("save", [(folder,)] * self.world, "checkpoint save")
+
+    def load(self, folder: Path) -> None:
+        self.group.run("load", [(folder,)] * self.world, "checkpoint load")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.group.run("state", [()] * self.world)[0]
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

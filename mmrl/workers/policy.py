@@ -1,0 +1,142 @@
+"""One rank of the actor/rollout worker group: it trains and generates in turns (colocated).
+
+Each rank holds an FSDP2 shard of the policy (all weights, or a frozen base with LoRA
+adapters), its shard of the AdamW state, and, when a KL term needs one, the frozen reference:
+a sharded copy under full fine-tuning, the same weights with the adapter switched off under
+LoRA. Generation uses the HF engine on the sharded weights, so there is nothing to sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from mmrl.actor import build_actor, needs_reference
+from mmrl.batch import Batch
+from mmrl.config import Config
+from mmrl.data import PromptSample
+from mmrl.lora import apply_lora
+from mmrl.models import load_policy, load_processor, resolve_dtype
+from mmrl.optim import MiniBatch, UpdateStats
+from mmrl.rollout import SamplingParams
+from mmrl.rollout.hf import HFEngine
+from mmrl.workers.fsdp import full_state_dict, init_process_group, shard_policy
+
+SHARDED_MARKER = "mmrl_sharded.json"  # in a checkpoint's model/ folder: the weights are FSDP shards in dcp/
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class PolicyWorker:
+    """Created empty by Ray; `setup` joins the process group and builds this rank's shard."""
+
+    def where(self) -> dict[str, Any]:
+        """Where this worker runs, for rendezvous, placement checks and error messages."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"ip": ray.util.get_node_ip_address(), "node": ctx.get_node_id(), "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def setup(self, cfg: Config, rank: int, world_size: int, address: str, port: int) -> None:
+        torch.set_num_threads(cfg.trainer.cpus_per_worker)
+        self.cfg, self.rank = cfg, rank
+        device = init_process_group(rank, world_size, address, port, cfg.trainer.dist_timeout_s)
+        torch.manual_seed(cfg.trainer.seed)  # LoRA's random A matrices must be equal on every rank
+        self.compute_dtype = resolve_dtype(cfg.model.dtype, device.type)
+        model = load_policy(cfg.model.path, torch.float32)
+        processor = load_processor(cfg.model.path)
+        if cfg.model.freeze_vision_tower:
+            model.model.visual.requires_grad_(False)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.peft = apply_lora(model, cfg.model.lora) if cfg.model.lora.rank else None
+        self.model = shard_policy(model, self.compute_dtype, cfg.actor.offload)
+        if not cfg.actor.offload:
+            self.model.to(device)
+        self.ref = None
+        if needs_reference(cfg) and self.peft is None:
+            ref = load_policy(cfg.model.path, torch.float32).requires_grad_(False).eval()
+            self.ref = shard_policy(ref, self.compute_dtype, cfg.actor.offload)
+            if not cfg.actor.offload:
+                self.ref.to(device)
+        self.pad_id = processor.tokenizer.pad_token_id
+        self.processor = processor
+        self.actor = build_actor(cfg, self.model, self.pad_id, self.compute_dtype)
+        self.engine = HFEngine(self.model, processor, self.compute_dtype, synced_gpus=world_size > 1)
+
+    # ------------------------------------------------------------ coarse methods
+    def generate(self, prompts: list[PromptSample], params: SamplingParams, seed: int) -> Batch:
+        torch.manual_seed(seed + self.rank)  # the controller's RNG picks `seed`, so a resumed run repeats it
+        return self.engine.generate(prompts, params)
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return self.actor.logprobs(batch)
+
+    def ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.peft is not None:  # LoRA: the base model is the policy without its adapter
+            with self.peft.disable_adapter():
+                return self.actor.logprobs(batch)
+        return self.actor.logprobs(batch, self.ref)
+
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        return self.actor.update(batch, plan)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The whole trainable state, unsharded (a collective; for parity checks and tests)."""
+        state = full_state_dict(self.model, trainable_only=self.peft is not None)
+        if self.peft is None:
+            return state
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}  # not the frozen LM head tied to the embedding
+
+    def save(self, folder: Path) -> None:
+        """Write this rank's shards of the weights and AdamW state into `folder/model/dcp`; rank 0 adds
+        the config, the processor and the learning-rate schedule (the same on every rank).
+
+        Under LoRA only the adapters are saved; the base is `model.path`, recorded in the marker file."""
+        model_state, optim_state = get_state_dict(self.model, self.actor.optimizer, options=self._options)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder / "model" / "dcp")
+        if self.rank == 0:
+            self.processor.save_pretrained(folder / "model")
+            self.model.config.save_pretrained(folder / "model")
+            marker = {
+                "base": str(Path(self.cfg.model.path).resolve()),
+                "lora": self.cfg.model.lora.model_dump(),
+            }
+            (folder / "model" / SHARDED_MARKER).write_text(json.dumps(marker, indent=2))
+            torch.save(self.actor.scheduler.state_dict(), folder / "model" / "scheduler.pt")
+        dist.barrier()
+
+    def load(self, folder: Path) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.actor.optimizer, options=self._options)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=folder / "model" / "dcp")
+        set_state_dict(
+            self.model,
+            self.actor.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self._options,
+        )
+        self.actor.scheduler.load_state_dict(
+            torch.load(folder / "model" / "scheduler.pt", weights_only=False)
+        )
+
+    @property
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.peft is not None)
