@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mmrl.config import LoraConfig
+from mmrl.models import SHARDED_MARKER
 
 LANGUAGE = "model.language_model."
 VISION = "model.visual."
@@ -93,6 +94,33 @@ def load_with_adapter(folder: Path, device: str = "cpu") -> nn.Module:
     return model
 
 
+def gather_shards(folder: Path) -> nn.Module:
+    """The model of a Ray workers' checkpoint (FSDP shards in `dcp/`), whole, in this one process.
+
+    Full fine-tuning saved every weight, so the architecture comes from the saved config; LoRA saved
+    only the adapters, which go onto the base model named in the marker file and are merged."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from mmrl.models import load_policy
+
+    marker = json.loads((folder / SHARDED_MARKER).read_text())
+    lora = LoraConfig(**marker["lora"])
+    if lora.rank:
+        model = load_policy(marker["base"])
+        peft = apply_lora(model, lora)
+        wanted = {n for n, p in model.named_parameters() if p.requires_grad}
+    else:
+        config = AutoConfig.from_pretrained(folder)
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+        wanted = set(model.state_dict())
+    state = {k: v for k, v in model.state_dict().items() if k in wanted}
+    dcp.load({"model": state}, checkpoint_id=folder / "dcp")  # in place, into the model's own tensors
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return peft.merge_and_unload() if lora.rank else model
+
+
 def export_plain(folder: Path, out: Path) -> Path:
     """A checkpoint as a plain transformers model folder: a LoRA adapter is merged into its base, so
     the result loads with `from_pretrained` (and in vLLM) with no peft involved."""
@@ -100,7 +128,9 @@ def export_plain(folder: Path, out: Path) -> Path:
 
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new folder for the export")
-    if is_adapter(folder):
+    if (folder / SHARDED_MARKER).exists():
+        model = gather_shards(folder)
+    elif is_adapter(folder):
         from peft import PeftModel
 
         base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")

@@ -194,9 +194,17 @@ def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
+SHARDED_MARKER = "mmrl_sharded.json"  # in a checkpoint's model/ folder: the weights are FSDP shards in dcp/
+
+
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
     """Load a Qwen2.5-VL checkpoint folder (tiny or real) for training or generation."""
     path = Path(path)
+    if (path / SHARDED_MARKER).exists():
+        raise FileNotFoundError(
+            f"{path} holds FSDP shards written by Ray workers, not a transformers model. Convert it once with "
+            f"`mmrl export {path.parent} <out_dir>` and use <out_dir>."
+        )
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"No model checkpoint at {path} (config.json missing). "

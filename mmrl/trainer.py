@@ -489,6 +489,9 @@ class Trainer:
             model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
         )
         model.save_pretrained(self.run_dir / "warmup_model")  # the RL starting point, and the KL reference
+        self.processor.save_pretrained(
+            self.run_dir / "warmup_model"
+        )  # a complete model folder for the workers
         self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if self.critic is not None and not self.cfg.critic.model_path:
             self.critic = self._make_critic(self.run_dir / "warmup_model")  # the critic starts where RL does

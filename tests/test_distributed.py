@@ -15,7 +15,7 @@ import torch
 
 from mmrl.actor import build_actor, update_plan
 from mmrl.config import load_config
-from mmrl.lora import apply_lora
+from mmrl.lora import apply_lora, gather_shards
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.synthetic import generate
@@ -25,7 +25,7 @@ from mmrl.workers.group import PolicyGroup
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False)
     yield
@@ -67,14 +67,15 @@ def _scored_batch(cfg):
     return batch
 
 
-def _one_process_update(cfg, batch, plan) -> dict[str, torch.Tensor]:
+def _one_process_update(cfg, batch, plan) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     torch.manual_seed(cfg.trainer.seed)
     model = load_policy(cfg.model.path)
     peft = apply_lora(model, cfg.model.lora) if cfg.model.lora.rank else None
     actor = build_actor(cfg, model, load_processor(cfg.model.path).tokenizer.pad_token_id, torch.float32)
+    base_logprobs = actor.logprobs(batch)  # before the update: the start, i.e. the reference
     actor.update(batch, plan)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if peft is None or k in trainable}
+    return {k: v for k, v in model.state_dict().items() if peft is None or k in trainable}, base_logprobs
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -87,18 +88,56 @@ def test_two_fsdp_workers_update_exactly_like_one_process(local_ray, tmp_path, t
     plan = update_plan(cfg, batch)
     assert len(plan) == 2
 
-    expected = _one_process_update(cfg, batch, plan)
+    expected, base_logprobs = _one_process_update(cfg, batch, plan)
     group = PolicyGroup(cfg)
     try:
         before = group.state()
         stats = group.update(batch, plan)
         after = group.state()
+        reference = group.ref_logprobs(batch)
     finally:
         group.shutdown()
 
     assert stats.steps == 2 and stats.skipped_steps == 0
-    assert set(after) == set(expected), (sorted(set(after) - set(expected))[:5], sorted(set(expected) - set(after))[:5])
+    assert set(after) == set(expected), (
+        sorted(set(after) - set(expected))[:5],
+        sorted(set(expected) - set(after))[:5],
+    )
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
     assert moved > 1e-3, "the update should move the weights well beyond the tolerance"
     worst = max(float((after[k] - expected[k]).abs().max()) for k in after)
     assert worst < 1e-5, f"2 FSDP workers differ from 1 process by {worst:.2e}"
+    # The reference is the untouched start: under LoRA the workers' base with the adapter off.
+    torch.testing.assert_close(reference, base_logprobs, rtol=0, atol=1e-5)
+
+
+def test_sharded_checkpoint_exports_whole_and_resumes_exactly(local_ray, tmp_path, tiny_model_dir) -> None:
+    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = _cfg(tiny_model_dir, tmp_path / "data")
+    batch = _scored_batch(cfg)
+    first, second = update_plan(cfg, batch), update_plan(cfg, batch)
+    folder = tmp_path / "ckpt"
+    group = PolicyGroup(cfg)
+    try:
+        group.update(batch, first)
+        group.save(folder)
+        saved = group.state()
+        group.update(batch, second)
+        continued = group.state()
+    finally:
+        group.shutdown()
+
+    exported = gather_shards(folder / "model").state_dict()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    with pytest.raises(FileNotFoundError, match="mmrl export"):
+        load_policy(folder / "model")
+
+    resumed = PolicyGroup(cfg)
+    try:
+        resumed.load(folder)
+        assert all(torch.equal(v, saved[k]) for k, v in resumed.state().items())
+        resumed.update(batch, second)  # the same step again: AdamW moments and schedule were restored too
+        again = resumed.state()
+    finally:
+        resumed.shutdown()
+    assert all(torch.equal(again[k], continued[k]) for k in continued)

@@ -64,6 +64,7 @@ def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
     setattr(model, SHARDED_LOGITS, partial(_response_logits, model))
     register_fsdp_forward_method(model, SHARDED_LOGITS)
+    register_fsdp_forward_method(model, "generate")  # generation reaches the root's weights outside `forward`
     return model
 
 

@@ -24,13 +24,11 @@ from mmrl.batch import Batch
 from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
-from mmrl.models import load_policy, load_processor, resolve_dtype
+from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype
 from mmrl.optim import MiniBatch, UpdateStats
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
 from mmrl.workers.fsdp import full_state_dict, init_process_group, shard_policy
-
-SHARDED_MARKER = "mmrl_sharded.json"  # in a checkpoint's model/ folder: the weights are FSDP shards in dcp/
 
 
 def free_port() -> int:
@@ -102,7 +100,9 @@ class PolicyWorker:
         if self.peft is None:
             return state
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in state.items() if k in trainable}  # not the frozen LM head tied to the embedding
+        return {
+            k: v for k, v in state.items() if k in trainable
+        }  # not the frozen LM head tied to the embedding
 
     def save(self, folder: Path) -> None:
         """Write this rank's shards of the weights and AdamW state into `folder/model/dcp`; rank 0 adds
@@ -114,6 +114,7 @@ class PolicyWorker:
         if self.rank == 0:
             self.processor.save_pretrained(folder / "model")
             self.model.config.save_pretrained(folder / "model")
+            self.model.generation_config.save_pretrained(folder / "model")
             marker = {
                 "base": str(Path(self.cfg.model.path).resolve()),
                 "lora": self.cfg.model.lora.model_dump(),
