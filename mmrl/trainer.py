@@ -178,9 +178,9 @@ class Trainer:
                     metrics = self.train_step()
                     if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
                         metrics.update(self.validate())
-                self.logger.log(self.step, metrics)
-                self._check_numerics(metrics, before)
-                self._save_if_due()
+                    self.logger.log(self.step, metrics)
+                    self._check_numerics(metrics, before)
+                    self._save_if_due()
                 bar.update(task, completed=self.step, info=_progress_info(metrics))
         plot_reward_curve(
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name

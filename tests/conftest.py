@@ -16,6 +16,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def local_ray():
+    """A real local Ray cluster with two logical CPUs, whatever this machine has: room for two workers."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmrl.models import build_tiny

@@ -7,29 +7,28 @@ checkpoint; the trainer runs through them end to end on a fake two-node cluster.
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from ray.cluster_utils import Cluster
 
+from mmrl import checkpoint as ckpt
 from mmrl.actor import build_actor, update_plan
 from mmrl.config import load_config
+from mmrl.errors import ResourceError, WorkerError
+from mmrl.logger import read_metrics
 from mmrl.lora import apply_lora, gather_shards
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.synthetic import generate
-from mmrl.trainer import build_datasets
+from mmrl.trainer import Trainer, build_datasets
 from mmrl.workers.group import PolicyGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
-
-
-@pytest.fixture
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def _cfg(model: Path, data: Path, *extra: str):
@@ -44,6 +43,7 @@ def _cfg(model: Path, data: Path, *extra: str):
             "actor.micro_batch_size=3",  # shares of 4 rows: micro-batches of 3 and 1 on each rank
             "actor.lr=1e-3",
             "actor.warmup_steps=0",
+            "actor.max_grad_norm=0.05",  # clipping on: the global norm must be the one-process norm
             "rollout.n=4",
             "warmup.steps=0",
             "trainer.n_gpus_per_node=2",
@@ -141,3 +141,112 @@ def test_sharded_checkpoint_exports_whole_and_resumes_exactly(local_ray, tmp_pat
     finally:
         resumed.shutdown()
     assert all(torch.equal(again[k], continued[k]) for k in continued)
+
+
+def _run_overrides(model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        f"model.path={model}",
+        f"data.train_files={data / 'train.jsonl'}",
+        "data.val_files=[]",
+        "data.train_batch_size=4",
+        "actor.mini_batch_size=4",
+        "rollout.n=4",
+        "warmup.steps=2",
+        "warmup.batch_size=8",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}",
+        "trainer.save_every=2",
+        "trainer.val_every=0",
+        "trainer.progress=false",
+        "trainer.loggers=[jsonl]",
+        *extra,
+    ]
+
+
+def test_trainer_places_workers_on_both_nodes_of_a_two_node_cluster(tmp_path, tiny_model_dir) -> None:
+    """`ray.cluster_utils.Cluster` fakes two nodes on this machine: separate raylets, one CPU each."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    generate(tmp_path / "data", task="color", n_train=16, n_val=0, seed=0, image_size=56)
+    overrides = _run_overrides(
+        tiny_model_dir,
+        tmp_path / "data",
+        tmp_path / "run",
+        2,
+        "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.ray_address={cluster.address}",
+    )
+    try:
+        trainer = Trainer(load_config("configs/quickstart.yaml", overrides))
+        nodes = trainer.workers.nodes
+        trainer.fit()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert len(set(nodes)) == 2, f"both workers landed on one node: {nodes}"
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert ckpt.is_complete(tmp_path / "run" / "checkpoints" / "step_00000002")
+
+
+KILLER = """
+import json, os, pathlib, signal
+
+STATE = pathlib.Path(__file__).with_name("kill.json")
+
+
+def reward(sample):
+    state = json.loads(STATE.read_text())
+    state["calls"] += 1
+    if state["calls"] == state["at"]:
+        os.kill(state["pid"], signal.SIGKILL)
+    STATE.write_text(json.dumps(state))
+    return float(len(sample.response) % 3) / 2
+"""
+
+
+def test_a_killed_worker_stops_the_run_naming_it_and_the_step_and_resume_continues(
+    local_ray, tmp_path, tiny_model_dir
+) -> None:
+    data = tmp_path / "data"
+    generate(data, task="color", n_train=16, n_val=0, seed=0, image_size=56)
+    (data / "killer.py").write_text(KILLER)
+    overrides = _run_overrides(
+        tiny_model_dir,
+        data,
+        tmp_path / "run",
+        4,
+        "trainer.n_gpus_per_node=2",
+        f"reward.functions=[{{name: '{data / 'killer.py'}:reward'}}]",
+    )
+    cfg = load_config("configs/quickstart.yaml", overrides)
+    trainer = Trainer(cfg)
+    victim = trainer.workers.group.places[1]["pid"]
+    rows_per_step = 4 * 4
+    (data / "kill.json").write_text(json.dumps({"calls": 0, "at": 2 * rows_per_step + 1, "pid": victim}))
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as stopped:
+        trainer.fit()
+    message = str(stopped.value)
+    assert message.startswith("step 3: actor worker 1")
+    assert f"pid {victim}" in message and "died" in message and "--resume" in message
+    assert time.monotonic() - started < 120, "a dead worker must stop the run, not hang it"
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000002"]
+
+    (data / "kill.json").write_text(json.dumps({"calls": 0, "at": -1, "pid": victim}))
+    Trainer(cfg, resume=True).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert ckpt.latest_checkpoint(root).name == "step_00000004"
+
+
+def test_asking_for_more_workers_than_the_cluster_holds_fails_at_once(
+    local_ray, tmp_path, tiny_model_dir
+) -> None:
+    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = _cfg(tiny_model_dir, tmp_path / "data", "trainer.n_gpus_per_node=3")
+    started = time.monotonic()
+    with pytest.raises(ResourceError, match=r"needs 1 node\(s\) with 3 CPU each.*1 node\(s\).*2 CPUs"):
+        PolicyGroup(cfg)
+    assert time.monotonic() - started < 10

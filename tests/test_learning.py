@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mmrl.cli import main
@@ -12,6 +14,17 @@ from mmrl.synthetic import generate
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~2 min on an idle 2-core machine; generous for loaded ones
 def test_quickstart_recipe_learns_colour_from_pixels(tmp_path, tiny_model_dir) -> None:
+    _learns(tmp_path, tiny_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+@pytest.mark.timeout(1500)  # ~3 min on an idle 2-core machine
+def test_quickstart_recipe_learns_with_two_fsdp_workers(local_ray, tmp_path, tiny_model_dir) -> None:
+    _learns(tmp_path, tiny_model_dir, "trainer.n_gpus_per_node=2")
+
+
+def _learns(tmp_path: Path, tiny_model_dir: Path, *extra: str) -> None:
     data = tmp_path / "data"
     generate(data, task="color", n_train=2048, n_val=64, seed=0, image_size=112)
     run = tmp_path / "run"
@@ -27,6 +40,7 @@ def test_quickstart_recipe_learns_colour_from_pixels(tmp_path, tiny_model_dir) -
             "trainer.save_every=0",
             "trainer.progress=false",
             "trainer.loggers=[jsonl]",
+            *extra,
         ]
     )
     assert code == 0

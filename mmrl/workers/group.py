@@ -127,11 +127,12 @@ class WorkerGroup:
         return f"{self.name} worker {rank}{where} failed during {what}: {cause}"
 
     def shutdown(self) -> None:
+        """Kill the workers and free their placement; safe to call twice."""
         for worker in getattr(self, "workers", []):
             ray.kill(worker)
         for pg in self.placements:
             remove_placement_group(pg)
-        self.workers = []
+        self.workers, self.placements = [], []
 
 
 def _even_shares(count: int, world: int) -> list[list[int]]:
