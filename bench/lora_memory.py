@@ -43,6 +43,7 @@ def build_larger(tiny: Path, out: Path) -> Path:
     config = Qwen2_5_VLConfig.from_pretrained(tiny)
     for key, value in LARGER.items():
         setattr(config.text_config, key, value)
+    config.text_config.layer_types = ["full_attention"] * LARGER["num_hidden_layers"]
     config.text_config.rope_parameters["mrope_section"] = [8, 12, 12]  # head_dim 64 / 2
     config.vision_config.out_hidden_size = LARGER["hidden_size"]
     torch.manual_seed(0)

@@ -378,7 +378,6 @@ class Config(_Section):
         unsupported = {
             "algorithm.adv_estimator=gae (the critic runs in-process only)": self.algorithm.adv_estimator
             == "gae",
-            "rollout.engine=vllm (workers generate with their HF shards)": self.rollout.engine == "vllm",
         }
         refused = [name for name, hit in unsupported.items() if hit]
         if refused:

@@ -66,12 +66,27 @@ def merged_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in model.state_dict().items():
         if ".lora_" in name:
             continue
+        tensor = _whole(tensor)
         owner, _, leaf = name.rpartition(".base_layer.")
         if leaf == "weight" and owner in layers:
             layer = layers[owner]
             with torch.no_grad():
-                tensor = tensor + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+                tensor = tensor + sum(_delta(layer, a) for a in layer.active_adapters)
         yield name.replace(".base_layer.", "."), tensor.detach()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor in full: an FSDP2 shard (DTensor) is gathered from every rank, which must all ask in step."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full else tensor
+
+
+def _delta(layer: Any, adapter: str) -> torch.Tensor:
+    """(α/r)·B·A of one linear adapter, from whole matrices when the layer is sharded."""
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    if not hasattr(a, "full_tensor"):
+        return layer.get_delta_weight(adapter)
+    return (_whole(b) @ _whole(a)) * layer.scaling[adapter]
 
 
 def is_adapter(folder: Path) -> bool:

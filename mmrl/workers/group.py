@@ -21,7 +21,7 @@ from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.optim import MiniBatch, UpdateStats
-from mmrl.rollout import SamplingParams
+from mmrl.rollout import SamplingParams, resolve_engine
 from mmrl.workers.policy import PolicyWorker
 
 log = logging.getLogger("mmrl.workers")
@@ -157,9 +157,8 @@ class PolicyGroup:
     """The actor/rollout workers as the controller sees them: an engine (`generate`) and an actor
     (`logprobs`, `update`) whose batches are split across ranks and gathered back in order."""
 
-    logprobs_are_free = False
-
     def __init__(self, cfg: Config) -> None:
+        self.logprobs_are_free = resolve_engine(cfg.rollout.engine) == "vllm"
         connect(cfg.trainer.ray_address)
         cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(Path(cfg.model.path).resolve())  # workers may start in another folder
@@ -193,10 +192,11 @@ class PolicyGroup:
         return concat(kept)
 
     def sync_weights(self) -> None:
-        """Nothing to copy: each worker generates with the shards it trains."""
+        """vLLM: every rank gathers the whole weights from the shards into its engine (HF: nothing to do)."""
+        self.group.run("sync_weights", [()] * self.world, "weight sync")
 
     def sleep(self) -> None:
-        """Nothing to free: the HF engine keeps no cache between calls."""
+        self.group.run("sleep", [()] * self.world)
 
     # ------------------------------------------------------------ actor
     def logprobs(self, batch: Batch) -> torch.Tensor:

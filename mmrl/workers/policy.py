@@ -26,7 +26,7 @@ from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype
 from mmrl.optim import MiniBatch, UpdateStats
-from mmrl.rollout import SamplingParams
+from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
 from mmrl.workers.fsdp import full_state_dict, init_process_group, shard_policy
 
@@ -75,12 +75,21 @@ class PolicyWorker:
         self.pad_id = processor.tokenizer.pad_token_id
         self.processor = processor
         self.actor = build_actor(cfg, self.model, self.pad_id, self.compute_dtype)
-        self.engine = HFEngine(self.model, processor, self.compute_dtype, synced_gpus=world_size > 1)
+        if resolve_engine(cfg.rollout.engine) == "vllm":  # each rank its own engine, fed whole weights
+            self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
+        else:  # generates with the shards themselves; ranks step together
+            self.engine = HFEngine(self.model, processor, self.compute_dtype, synced_gpus=world_size > 1)
 
     # ------------------------------------------------------------ coarse methods
     def generate(self, prompts: list[PromptSample], params: SamplingParams, seed: int) -> Batch:
         torch.manual_seed(seed + self.rank)  # the controller's RNG picks `seed`, so a resumed run repeats it
         return self.engine.generate(prompts, params)
+
+    def sync_weights(self) -> None:
+        self.engine.sync_weights()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         return self.actor.logprobs(batch)
