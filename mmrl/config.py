@@ -378,6 +378,9 @@ class Config(_Section):
         unsupported = {
             "algorithm.adv_estimator=gae (the critic runs in-process only)": self.algorithm.adv_estimator
             == "gae",
+            "rollout.vllm.tensor_parallel_size > 1 (each worker runs a one-GPU engine)": self.rollout.engine
+            != "hf"
+            and self.rollout.vllm.tensor_parallel_size > 1,
         }
         refused = [name for name, hit in unsupported.items() if hit]
         if refused:

@@ -1,6 +1,6 @@
 """The geometry recipe as written, on CPU: `mmrl train configs/qwen25vl_geo.yaml` with the tiny model and
 synthetic geometry runs 3 steps, with only the overrides a CPU-sized run needs (paths, batch sizes,
-lengths, one tensor-parallel rank). Everything else (vLLM engine, pixel budget, format prompt, rewards,
+lengths, two CPU workers for eight GPUs). Everything else (vLLM engine, pixel budget, format prompt, rewards,
 KL, clipping) runs as a GPU node would run it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ CPU_OVERRIDES = [
     "data.max_val_samples=8",
     "actor.mini_batch_size=2",
     "rollout.max_new_tokens=32",
-    "rollout.vllm.tensor_parallel_size=1",
+    "trainer.n_gpus_per_node=2",  # two CPU workers instead of eight GPUs: FSDP2 on gloo, a vLLM engine each
     "rollout.vllm.max_model_len=2560",
     "trainer.total_steps=3",
     "trainer.val_every=3",
@@ -29,11 +29,12 @@ CPU_OVERRIDES = [
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(
     not vllm_available(), reason="the recipe's engine is vLLM (install requirements-test.lock)"
 )
-def test_geometry_recipe_runs_three_steps_on_cpu(tmp_path, tiny_model_dir) -> None:
+def test_geometry_recipe_runs_three_steps_on_cpu(local_ray, tmp_path, tiny_model_dir) -> None:
     data = tmp_path / "geo"
     generate_geometry(data, n_train=16, n_val=8, seed=0)
     run = tmp_path / "run"
