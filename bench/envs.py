@@ -1,5 +1,8 @@
 """Env throughput: MuJoCo task steps per second, rendering every frame, in 1 and in N worker processes.
 
+Two measurements: the raw env in plain worker processes (the ceiling), and the same envs behind
+`envs.workers.EnvPool` (Ray actors, batched calls, timeouts): what an episode rollout gets.
+
 VLA rollouts step many envs per policy decision, so env speed sets the floor on episode time. Each
 worker process builds its env, warms it up, waits for the others at a barrier, then times `--steps`
 steps of random actions (resetting at episode ends, as a rollout does). Aggregate throughput is the
@@ -32,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="worker-process counts to try")
     p.add_argument("--steps", type=int, default=3000, help="timed steps per worker")
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--pool-envs", type=int, default=8, help="envs stepped together through EnvPool")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     return p.parse_args(argv)
 
@@ -83,6 +87,38 @@ def measure(task: str, workers: int, steps: int, image_size: int) -> dict[str, A
     }
 
 
+def measure_pool(task: str, workers: int, num_envs: int, steps: int, image_size: int) -> dict[str, Any]:
+    """Batched steps through `EnvPool`: every call steps all `num_envs` envs and returns their frames."""
+    import numpy as np
+    import ray
+
+    from envs.workers import EnvPool
+
+    ray.init(num_cpus=max(workers, 2), include_dashboard=False, logging_level="ERROR")
+    start = time.perf_counter()
+    pool = EnvPool(task, num_envs, workers, {"image_size": image_size})
+    startup = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    calls = max(1, steps // num_envs)
+    pool.reset(list(range(num_envs)))
+    start = time.perf_counter()
+    for _ in range(calls):
+        results = pool.step([rng.uniform(-1, 1, 2) for _ in range(num_envs)])
+        if any(r[2] or r[3] for r in results):  # an episode ended: start a new batch of episodes
+            pool.reset(list(rng.integers(0, 2**31, num_envs)))
+    elapsed = time.perf_counter() - start
+    pool.close()
+    ray.shutdown()
+    return {
+        "task": task,
+        "workers": workers,
+        "num_envs": num_envs,
+        "env_steps_per_s": calls * num_envs / elapsed,
+        "batched_calls_per_s": calls / elapsed,
+        "startup_s": startup,
+    }
+
+
 def print_table(result: dict[str, Any]) -> None:
     """A short plain-text summary."""
     c = result["config"]
@@ -93,6 +129,11 @@ def print_table(result: dict[str, Any]) -> None:
         per = sum(r["per_worker_steps_per_s"]) / r["workers"]
         rate, startup = r["steps_per_s"], r["startup_s"]
         print(f"  {r['task']:<6}  {r['workers']:>7}  {rate:>8.0f}  {per:>10.0f}  {startup:>7.2f}s")
+    print(f"  through EnvPool (Ray), {c['pool_envs']} envs per batched step:")
+    print(f"  {'task':<6}  {'workers':>7}  {'steps/s':>8}  {'calls/s':>10}  {'startup':>8}")
+    for r in result["pool"]:
+        rate, calls, startup = r["env_steps_per_s"], r["batched_calls_per_s"], r["startup_s"]
+        print(f"  {r['task']:<6}  {r['workers']:>7}  {rate:>8.0f}  {calls:>10.0f}  {startup:>7.2f}s")
     before, after = result["load_avg_before"][0], result["load_avg_after"][0]
     print(f"  load avg before/after: {before:.2f} / {after:.2f}")
 
@@ -101,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = load_average()
     runs = [measure(t, n, args.steps, args.image_size) for t in args.tasks for n in args.workers]
+    pool = [
+        measure_pool(t, n, args.pool_envs, args.steps, args.image_size)
+        for t in args.tasks
+        for n in args.workers
+    ]
     result = {
         "system": "mmrl-envs",
         "config": {
@@ -108,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             "workers": args.workers,
             "steps": args.steps,
             "image_size": args.image_size,
+            "pool_envs": args.pool_envs,
         },
         "results": runs,
+        "pool": pool,
         "load_avg_before": load_before,
         "load_avg_after": load_average(),
         "machine": machine(),

@@ -120,7 +120,11 @@ class PolicyWorker:
         Under LoRA only the adapters are saved; the base is `model.path`, recorded in the marker file."""
         model_state, optim_state = get_state_dict(self.model, self.actor.optimizer, options=self._options)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder / "model" / "dcp")
+        adapter = self.state() if self.peft is not None else None  # a collective: every rank gathers
         if self.rank == 0:
+            if adapter is not None:  # also in peft's format, so plain transformers (and `mmrl eval`) load it
+                prefixed = {f"base_model.model.{name}": tensor for name, tensor in adapter.items()}
+                self.peft.save_pretrained(folder / "model", state_dict=prefixed)
             self.processor.save_pretrained(folder / "model")
             self.model.config.save_pretrained(folder / "model")
             self.model.generation_config.save_pretrained(folder / "model")
