@@ -52,21 +52,16 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     input_ids = torch.cat([prompt_ids, response], dim=1)
     attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
     cfg = model.config
-    grids = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
-    positions = mrope_position_ids(
-        input_ids,
-        attention,
-        torch.cat(grids) if grids else None,
-        image_token_id=cfg.image_token_id,
-        video_token_id=cfg.video_token_id,
-        spatial_merge_size=cfg.vision_config.spatial_merge_size,
-    )
+    positions = _positions(cfg, prompts, input_ids, attention)
     input_ids = input_ids.to(device)
     embeds = model.model.get_input_embeddings()(input_ids)
-    image_embeds = _image_embeds(model, batch, rows, device)
-    if image_embeds is not None:
-        slots = (input_ids == cfg.image_token_id).unsqueeze(-1)
-        embeds = embeds.masked_scatter(slots, image_embeds.to(embeds.dtype))
+    for token_id, features in (
+        (cfg.image_token_id, _media_embeds(model, batch, rows, device, video=False)),
+        (cfg.video_token_id, _media_embeds(model, batch, rows, device, video=True)),
+    ):
+        if features is not None:
+            slots = (input_ids == token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(slots, features.to(embeds.dtype))
     hidden = model.model(
         inputs_embeds=embeds,
         attention_mask=attention.to(device),
@@ -75,6 +70,28 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     ).last_hidden_state
     start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
     return hidden[:, start : start + response.shape[1]]
+
+
+def _positions(
+    cfg: Any, prompts: list[Any], input_ids: torch.Tensor, attention: torch.Tensor
+) -> torch.Tensor:
+    """mRoPE ids of prompt + response as the model lays them out, videos' time axis included; the
+    response continues after the prompt's last token, as transformers' generation does
+    (`tests/test_video_training.py` checks it after a video whose time ids run past that token)."""
+    images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
+    videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
+    seconds = [p.second_per_grid_ts for p in prompts if p.second_per_grid_ts is not None]
+    return mrope_position_ids(
+        input_ids,
+        attention,
+        torch.cat(images) if images else None,
+        image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id,
+        spatial_merge_size=cfg.vision_config.spatial_merge_size,
+        video_grid_thw=torch.cat(videos) if videos else None,
+        second_per_grid_ts=torch.cat(seconds) if seconds else None,
+        tokens_per_second=getattr(cfg.vision_config, "tokens_per_second", 1.0),
+    )
 
 
 def response_logits(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
@@ -115,23 +132,30 @@ def forward_logprobs(
     return logp, entropy
 
 
-def _image_embeds(model: Any, batch: Batch, rows: list[int], device: torch.device) -> torch.Tensor | None:
-    """Vision features for every row, encoding each distinct prompt's images once.
+def _media_embeds(
+    model: Any, batch: Batch, rows: list[int], device: torch.device, video: bool
+) -> torch.Tensor | None:
+    """Image (or video) features for every row, encoding each distinct prompt's media once.
 
     The n responses of a prompt share its images, so the vision tower runs once per prompt
     instead of once per response; reusing the features also sums their gradients, which is
     exactly what n separate encodings would give.
     """
-    distinct = sorted({i for i in rows if batch.prompts[i].pixel_values is not None})
+    pixels = "pixel_values_videos" if video else "pixel_values"
+    distinct = sorted({i for i in rows if getattr(batch.prompts[i], pixels) is not None})
     if not distinct:
         return None
-    vision = vision_inputs([batch.prompts[i] for i in distinct])
-    features = model.model.get_image_features(
-        vision["pixel_values"].to(device), vision["image_grid_thw"].to(device)
-    ).pooler_output
+    inputs = vision_inputs([batch.prompts[i] for i in distinct])
+    if video:
+        grids = inputs["video_grid_thw"]
+        features = model.model.get_video_features(inputs[pixels].to(device), grids.to(device)).pooler_output
+    else:
+        grids = inputs["image_grid_thw"]
+        features = model.model.get_image_features(inputs[pixels].to(device), grids.to(device)).pooler_output
     per_prompt, cursor = {}, 0
     for i in distinct:
-        count = len(batch.prompts[i].image_grid_thw)
+        prompt = batch.prompts[i]
+        count = len(prompt.video_grid_thw if video else prompt.image_grid_thw)
         per_prompt[i] = torch.cat(features[cursor : cursor + count])
         cursor += count
     return torch.cat([per_prompt[i] for i in rows if i in per_prompt])

@@ -87,13 +87,16 @@ def _init_tiny(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from mmrl.synthetic import generate
     from mmrl.synthetic_geometry import DEFAULT_IMAGE_SIZE, generate_geometry
+    from mmrl.synthetic_video import generate_motion
 
-    geometry = args.task == "geometry"
-    size = args.image_size if args.image_size is not None else DEFAULT_IMAGE_SIZE if geometry else 56
+    defaults = {"geometry": DEFAULT_IMAGE_SIZE, "motion": 112}
+    size = args.image_size if args.image_size is not None else defaults.get(args.task, 56)
     options = {"n_train": args.n_train, "n_val": args.n_val, "seed": args.seed, "image_size": size}
     try:
-        if geometry:
+        if args.task == "geometry":
             meta = generate_geometry(args.out_dir, **options)
+        elif args.task == "motion":
+            meta = generate_motion(args.out_dir, **options)
         else:
             meta = generate(args.out_dir, task=args.task, **options)
     except ValueError as err:  # a bad --image-size or count: a usage error, not a crash
@@ -174,14 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument(
         "--task",
         default="color",
-        choices=[*sorted(TASKS), "geometry"],
-        help="geometry: labelled triangles, circles and angles with exact answers",
+        choices=[*sorted(TASKS), "geometry", "motion"],
+        help="geometry: labelled triangles, circles and angles with exact answers; motion: mp4 clips of a "
+        "moving dot (which direction?)",
     )
     synth.add_argument("--n-train", type=int, default=2048)
     synth.add_argument("--n-val", type=int, default=128)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument(
-        "--image-size", type=int, default=None, help="pixels, a multiple of 28 (default: 56; geometry 224)"
+        "--image-size",
+        type=int,
+        default=None,
+        help="pixels, a multiple of 28 (default: 56; geometry 224; motion 112)",
     )
     synth.set_defaults(func=_synth)
     return parser

@@ -71,6 +71,10 @@ class DataConfig(_Section):
         None, description="Ground-truth column (default: answer, or reward_model.ground_truth for verl)"
     )
     image_key: str = "images"
+    video_key: str = Field(
+        "videos",
+        description="Column of videos: a path, bytes or {bytes|path}, or a list of them; <video> marks each",
+    )
     system_prompt: str | None = Field(
         None, description="For rows whose prompt has no system message of its own"
     )
@@ -82,6 +86,15 @@ class DataConfig(_Section):
     )
     min_pixels: int = Field(28 * 28, gt=0)
     max_pixels: int = Field(1024 * 28 * 28, gt=0)
+    video_fps: float = Field(2.0, gt=0, description="Frames sampled per second of video")
+    video_max_frames: int = Field(
+        32, gt=0, description="At most this many frames per video (a multiple of 2)"
+    )
+    video_min_pixels: int = Field(128 * 28 * 28, gt=0, description="Per frame")
+    video_max_pixels: int = Field(768 * 28 * 28, gt=0, description="Per frame")
+    video_max_total_pixels: int = Field(
+        4096 * 28 * 28, gt=0, description="Over all frames of a video: longer clips get smaller frames"
+    )
     train_batch_size: int = Field(8, gt=0, description="Prompts per training step")
     val_batch_size: int = Field(64, gt=0, description="Prompts per validation generation call")
     max_val_samples: int | None = Field(None, gt=0)

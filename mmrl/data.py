@@ -30,12 +30,18 @@ from mmrl.config import ConfigError
 from processors import (
     ImageError,
     PixelBudget,
+    Video,
+    VideoBudget,
+    VideoError,
     build_messages,
     encode_prompt,
     fit_image,
     load_image,
     num_image_tokens,
+    num_video_tokens,
     pixel_inputs,
+    read_video,
+    video_pixel_inputs,
 )
 from processors.chat import IMAGE_MARKER
 from rewards import ImageSize
@@ -59,6 +65,10 @@ class PromptSample:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    videos: list[Video] = field(default_factory=list)
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None  # seconds per temporal patch, one per video
 
 
 class SkipRow(Exception):
@@ -346,6 +356,9 @@ class PromptDataset:
         image_dir: str | None = None,
         system_prompt: str | None = None,
         format_prompt: str | None = None,
+        video_key: str = "videos",
+        video_budget: VideoBudget | None = None,
+        video_processor: Any = None,
     ) -> None:
         if data_format not in ("auto", *FORMAT_KEYS):
             raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
@@ -357,6 +370,7 @@ class PromptDataset:
         self.budget = budget
         self.max_prompt_length = max_prompt_length
         self.keys = (prompt_key or default_prompt, answer_key or default_answer, image_key)
+        self.video_key, self.video_budget, self.video_processor = video_key, video_budget, video_processor
         self.image_dir = image_dir
         self.system_prompt = system_prompt
         self.template = Template(format_prompt) if format_prompt else None
@@ -364,7 +378,14 @@ class PromptDataset:
 
     @classmethod
     def from_config(
-        cls, files: list[str], cfg: DataConfig, tokenizer: Any, image_processor: Any, budget: PixelBudget
+        cls,
+        files: list[str],
+        cfg: DataConfig,
+        tokenizer: Any,
+        image_processor: Any,
+        budget: PixelBudget,
+        video_budget: VideoBudget | None = None,
+        video_processor: Any = None,
     ) -> PromptDataset:
         """The dataset of `files` (train or val) read and keyed as the `data` config section says."""
         return cls(
@@ -380,6 +401,9 @@ class PromptDataset:
             image_dir=cfg.image_dir,
             system_prompt=cfg.system_prompt,
             format_prompt=cfg.format_prompt,
+            video_key=cfg.video_key,
+            video_budget=video_budget,
+            video_processor=video_processor,
         )
 
     @property
@@ -426,15 +450,19 @@ class PromptDataset:
             fitted = [fit_image(image, self.budget) for image in images]
         except ImageError as err:
             raise SkipRow("bad_image", str(err)) from None
+        videos = self._videos(row, base)
         if self.template is not None:
             text = self.template.render(content=text)
-        try:
-            messages = build_messages(text, len(fitted), system)
+        try:  # rows without a video column keep a literal "<video>" as text
+            messages = build_messages(
+                text, len(fitted), system, num_videos=None if videos is None else len(videos)
+            )
         except ValueError as err:
             raise SkipRow("image_marker_mismatch", str(err)) from None
         counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
+        video_counts = [num_video_tokens(len(v.frames), *v.size, self.video_budget) for v in videos or []]
         try:
-            ids = encode_prompt(self.tokenizer, messages, counts)
+            ids = encode_prompt(self.tokenizer, messages, counts, video_counts)
         except ValueError as err:  # e.g. a literal image-pad token typed into the question
             raise SkipRow("image_marker_mismatch", str(err)) from None
         if len(ids) > self.max_prompt_length:
@@ -455,7 +483,26 @@ class PromptDataset:
         if fitted:
             inputs = pixel_inputs(fitted, self.image_processor)
             sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
+        if videos:
+            v = video_pixel_inputs(videos, self.video_processor)
+            sample.videos = videos
+            sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
+            sample.second_per_grid_ts = v["second_per_grid_ts"]
         return sample
+
+    def _videos(self, row: dict[str, Any], base: Path) -> list[Video] | None:
+        """The row's videos decoded, sampled and sized (None: the row has no video column)."""
+        sources = lookup(row, self.video_key)
+        if sources is None:
+            return None
+        if self.video_budget is None or self.video_processor is None:
+            raise SkipRow("bad_video", "this dataset was built without a video budget and processor")
+        if not isinstance(sources, list) or (sources and not isinstance(sources[0], (str, bytes, dict))):
+            sources = [sources]  # one video: a path, bytes, or a list of frames
+        try:
+            return [read_video(src, self.video_budget, base_dir=base) for src in sources]
+        except VideoError as err:
+            raise SkipRow("bad_video", str(err)) from None
 
     def _prompt(self, row: dict[str, Any]) -> tuple[str, str | None]:
         """The user text and system prompt of a row whose prompt is text or chat messages."""
@@ -472,7 +519,7 @@ class PromptDataset:
     def _extra(self, row: dict[str, Any]) -> dict[str, Any]:
         """Every column the prompt, answer and images were not read from, plus `extra_info`'s fields
         (a column of the same name wins over a lifted field)."""
-        used = {key if key in row else key.split(".")[0] for key in self.keys}
+        used = {key if key in row else key.split(".")[0] for key in (*self.keys, self.video_key)}
         extra = {k: v for k, v in row.items() if k not in used}
         lifted = extra.get(LIFTED_COLUMN)
         return {**lifted, **extra} if isinstance(lifted, dict) else extra

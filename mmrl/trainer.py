@@ -54,7 +54,7 @@ from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.warmup import format_warmup
-from processors import PixelBudget
+from processors import PixelBudget, VideoBudget
 from rewards import RewardManager
 
 if TYPE_CHECKING:
@@ -653,11 +653,25 @@ def build_datasets(
     d = cfg.data
     vcfg = model_config.vision_config
     budget = PixelBudget(d.min_pixels, d.max_pixels, vcfg.patch_size, vcfg.spatial_merge_size)
+    try:
+        video_budget = VideoBudget(
+            fps=d.video_fps,
+            max_frames=d.video_max_frames,
+            min_pixels=d.video_min_pixels,
+            max_pixels=d.video_max_pixels,
+            max_total_pixels=d.video_max_total_pixels,
+            patch_size=vcfg.patch_size,
+            merge_size=vcfg.spatial_merge_size,
+            temporal_patch_size=vcfg.temporal_patch_size,
+        )
+    except ValueError as err:
+        raise ConfigError(f"data.video_*: {err}") from None
     tok, images = processor.tokenizer, processor.image_processor
-    train = PromptDataset.from_config(d.train_files, d, tok, images, budget)
+    videos = (video_budget, getattr(processor, "video_processor", None))
+    train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
     val: list[PromptSample] = []
     if d.val_files:
-        val_set = PromptDataset.from_config(d.val_files, d, tok, images, budget)
+        val_set = PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos)
         val = val_set.prepare_all(d.max_val_samples)
         if val_set.skipped:
             log.warning("validation rows skipped: %s", dict(val_set.skipped))

@@ -9,8 +9,10 @@ clip sampled at different rates keeps positions proportional to real time. Paddi
 for images, videos and both mixed, so the two can never drift apart.
 
 Caveat for videos: vLLM (and transformers before 5.3) resume text at 1 + the largest id so far,
-which differs from the rule above once a video's temporal ids outrun its max(h, w) grid, and
-transformers' own decoding step continues from that largest id too.
+which differs from the rule above once a video's temporal ids outrun its max(h, w) grid.
+transformers 5.19's generation continues after the last prompt token, as this rule does
+(`tests/test_video_training.py`), so mmrl trains video prompts on the HF engine's positions, and
+the vLLM engine refuses video prompts rather than train on log-probs of other positions.
 """
 
 from __future__ import annotations

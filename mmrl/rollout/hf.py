@@ -26,14 +26,19 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def vision_inputs(prompts: list[PromptSample]) -> dict[str, torch.Tensor]:
-    """Concatenated pixel patches and grids of the prompts' images, in prompt order."""
+    """Concatenated pixel patches, grids (and video timing) of the prompts' images and videos, in
+    prompt order: the model's multimodal keyword arguments."""
+    out: dict[str, torch.Tensor] = {}
     with_images = [p for p in prompts if p.pixel_values is not None]
-    if not with_images:
-        return {}
-    return {
-        "pixel_values": torch.cat([p.pixel_values for p in with_images]),
-        "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]),
-    }
+    if with_images:
+        out["pixel_values"] = torch.cat([p.pixel_values for p in with_images])
+        out["image_grid_thw"] = torch.cat([p.image_grid_thw for p in with_images])
+    with_videos = [p for p in prompts if p.pixel_values_videos is not None]
+    if with_videos:
+        out["pixel_values_videos"] = torch.cat([p.pixel_values_videos for p in with_videos])
+        out["video_grid_thw"] = torch.cat([p.video_grid_thw for p in with_videos])
+        out["second_per_grid_ts"] = torch.cat([p.second_per_grid_ts for p in with_videos])
+    return out
 
 
 class HFEngine:
@@ -65,7 +70,8 @@ class HFEngine:
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
         device = next(self.model.parameters()).device
         ids, mask = left_pad([p.prompt_ids for p in prompts], self.tokenizer.pad_token_id)
-        mm_types = (ids == self.model.config.image_token_id).int()
+        cfg = self.model.config  # token types: 0 text, 1 image, 2 video
+        mm_types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
         extra = {k: v.to(device) for k, v in vision_inputs(prompts).items()}
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
         was_training = self.model.training

@@ -150,6 +150,11 @@ class VLLMEngine:
         return self._to_batch(prompts, outputs, params)
 
     def _request(self, prompt: PromptSample) -> dict[str, Any]:
+        if prompt.videos:
+            raise ValueError(
+                "video prompts need rollout.engine=hf for now: vLLM places the text after a video at other mRoPE "
+                "positions than transformers does (processors/rope.py), so its log-probs would not be the trainer's"
+            )
         request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(prompt.prompt_ids, self.image_pad)}
         if prompt.images:
             request["multi_modal_data"] = {"image": list(prompt.images)}
