@@ -22,12 +22,12 @@ QUESTION = "Which direction does the dot move? Answer left, right, up or down."
 
 def render_clip(rng: np.random.Generator, size: int, frames: int, direction: str) -> np.ndarray:
     """(frames, size, size, 3) uint8: a disc of a random colour crossing the frame in `direction`."""
-    radius = size // 8
-    travel = size - 4 * radius  # the dot starts and ends a radius clear of the edges
+    radius = size // 5  # about three vision patches across: a tiny vision tower sees it at once
+    travel = size - 2 * radius - 2  # from touching one edge to touching the opposite one
     dx, dy = DIRECTIONS[direction]
-    start = rng.integers(2 * radius, size - 2 * radius, 2).astype(float)
-    start[0] = 2 * radius if dx > 0 else size - 2 * radius if dx < 0 else start[0]
-    start[1] = 2 * radius if dy > 0 else size - 2 * radius if dy < 0 else start[1]
+    start = rng.integers(radius + 1, size - radius - 1, 2).astype(float)
+    start[0] = radius + 1 if dx > 0 else size - radius - 1 if dx < 0 else start[0]
+    start[1] = radius + 1 if dy > 0 else size - radius - 1 if dy < 0 else start[1]
     colour = np.array(COLOURS[("red", "blue", "green", "purple")[int(rng.integers(4))]], dtype=np.uint8)
     yy, xx = np.mgrid[:size, :size]
     clip = np.empty((frames, size, size, 3), dtype=np.uint8)
