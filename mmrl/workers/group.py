@@ -26,6 +26,16 @@ from mmrl.workers.policy import PolicyWorker
 
 log = logging.getLogger("mmrl.workers")
 PLACEMENT_TIMEOUT_S = 120.0
+FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to report theirs
+
+
+def _error(ref: Any) -> Exception | None:
+    """The error a finished call ended with, if any."""
+    try:
+        ray.get(ref)
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+        return err
+    return None
 
 
 def connect(address: str | None) -> None:
@@ -110,11 +120,18 @@ class WorkerGroup:
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(done[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-                self.shutdown()
-                raise WorkerError(self._failure(rank_of[done[0]], what or method, err)) from err
+            if (err := _error(done[0])) is None:
+                continue
+            # A rank that dies breaks its peers' collectives, and their errors can arrive first: wait
+            # a moment for the rest and name the dead rank, the cause, rather than a peer's symptom.
+            failures = {rank_of[done[0]]: err}
+            settled, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+            failures.update({rank_of[ref]: e for ref in settled if (e := _error(ref)) is not None})
+            rank, cause = min(
+                failures.items(), key=lambda kv: (not isinstance(kv[1], ray.exceptions.RayActorError), kv[0])
+            )
+            self.shutdown()
+            raise WorkerError(self._failure(rank, what or method, cause)) from cause
         return ray.get(refs)
 
     def _failure(self, rank: int, what: str, err: Exception) -> str:
