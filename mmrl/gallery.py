@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from rewards import extract_answer
@@ -56,6 +57,11 @@ class GalleryItem:
     ground_truth: Any
     reward: float
     components: dict[str, float] = field(default_factory=dict)
+
+
+def frame_strip(frames: np.ndarray) -> Image.Image:
+    """A video's frames side by side in one image, so a gallery card shows the clip the model saw."""
+    return Image.fromarray(np.concatenate(list(frames), axis=1))
 
 
 def write_gallery(run_dir: Path, step: int, items: list[GalleryItem], metrics: dict[str, float]) -> Path:

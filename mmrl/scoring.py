@@ -41,6 +41,7 @@ def reward_inputs(batch: Batch) -> list[RewardInput]:
                 image_sizes=sample.image_sizes,
                 prompt=sample.prompt_text,
                 extra=sample.extra,
+                videos=[video.frames for video in sample.videos],
             )
         )
     return inputs

@@ -47,7 +47,7 @@ from mmrl.config import Config, ConfigError, dump_config
 from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptDataset, PromptLoader, PromptSample
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
-from mmrl.gallery import GalleryItem, write_gallery
+from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
 from mmrl.models import load_policy, load_processor, resolve_dtype
@@ -377,7 +377,7 @@ class Trainer:
             shown = range(min(len(inputs), self.cfg.trainer.gallery_samples))
             items = [
                 GalleryItem(
-                    images=inputs[i].images,
+                    images=[*inputs[i].images, *map(frame_strip, inputs[i].videos)],
                     prompt=inputs[i].prompt,
                     response=inputs[i].response,
                     ground_truth=inputs[i].ground_truth,

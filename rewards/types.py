@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 # A reward function is `fn(sample: RewardInput, **kwargs) -> float | dict[str, float]`. A dict must hold
@@ -36,6 +37,9 @@ class RewardInput:
     image_sizes: list[ImageSize] = field(default_factory=list)
     prompt: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    videos: list[np.ndarray] = field(
+        default_factory=list
+    )  # the frames the model saw: (T, H, W, 3) uint8 each
 
 
 @dataclass

@@ -33,7 +33,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+# Minutes-long tests (learning runs, worker groups) go first: under `pytest -n` a long test that starts
+# last runs alone on one core while the others idle, which once made CI several minutes longer.
+LONG_MODULES = (
+    "test_learning.py",
+    "test_learning_recipes.py",
+    "test_custom_reward_learning.py",
+    "test_distributed.py",
+    "test_geo_recipe.py",
+    "test_resources.py",
+    "test_crash_resume.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: order within kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

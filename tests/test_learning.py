@@ -81,3 +81,4 @@ def test_video_quickstart_learns_which_way_the_dot_moves(tmp_path, tiny_model_di
     val = [(r["step"], r["val/accuracy"]) for r in read_metrics(run / "metrics.jsonl") if "val/accuracy" in r]
     assert val[0] == (0, pytest.approx(0.25, abs=0.1)), f"should start at chance: {val}"
     assert val[-1][0] == 200 and val[-1][1] >= 0.8, f"validation accuracy {val}"
+    assert "<img" in (run / "gallery" / "step_00000200.html").read_text(), "the gallery should show the clips"
