@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from helpers import mixed_prompts
 
-from mmrl.actor import Actor
+from mmrl.actor import Actor, forward_logprobs
 from mmrl.config import ActorConfig
 from mmrl.models import load_policy, load_processor, never_generated_ids
 from mmrl.rollout import HFEngine, SamplingParams
@@ -66,3 +66,25 @@ def test_actor_gradient_equals_the_textbook_policy_gradient(tiny_model_dir) -> N
     assert ours.keys() == theirs.keys() and len(ours) > 50
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_changes_memory_not_the_gradient(tiny_model_dir) -> None:
+    """`model.gradient_checkpointing` recomputes activations in the backward pass; the gradient it gives
+    is the plain one."""
+    processor = load_processor(tiny_model_dir)
+    pad = processor.tokenizer.pad_token_id
+    torch.manual_seed(0)
+    batch = HFEngine(load_policy(tiny_model_dir), processor).generate(
+        mixed_prompts(processor), SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+    )
+    grads = []
+    for checkpointing in (False, True):
+        model = load_policy(tiny_model_dir).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logp, _ = forward_logprobs(model, batch, pad)
+        (-(logp * batch["response_mask"]).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
