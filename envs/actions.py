@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -109,6 +109,27 @@ class ActionTokenizer:
             raise ValueError(f"a vocabulary of {vocab_size} ids cannot hold {n_bins} action bins")
         return cls(
             action_dim=action_dim, start_id=vocab_size - n_bins, n_bins=n_bins, chunk=chunk, stats=stats
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready, saved beside a policy: its actions mean nothing without the bins and statistics."""
+        return {
+            "action_dim": self.action_dim,
+            "start_id": self.start_id,
+            "n_bins": self.n_bins,
+            "chunk": self.chunk,
+            "stats": None if self.stats is None else self.stats.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ActionTokenizer:
+        stats = data.get("stats")
+        return cls(
+            action_dim=int(data["action_dim"]),
+            start_id=int(data["start_id"]),
+            n_bins=int(data["n_bins"]),
+            chunk=int(data["chunk"]),
+            stats=None if stats is None else ActionStats.from_dict(stats),
         )
 
     @property

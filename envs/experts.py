@@ -208,14 +208,22 @@ class Demo:
 
 
 def collect_demos(
-    task: str, n: int, *, seed: int = 0, noise: float | None = None, **env_kwargs: object
+    task: str,
+    n: int,
+    *,
+    seed: int = 0,
+    noise: float | None = None,
+    progress: Callable[[], object] | None = None,
+    **env_kwargs: object,
 ) -> list[Demo]:
     """Roll out the expert on env seeds ``seed .. seed + n - 1``; failed episodes are kept and flagged,
-    so callers choose between success-only SFT data and the full mix."""
+    so callers choose between success-only SFT data and the full mix. ``progress`` is called per episode."""
     demos = []
     with make_env(task, **env_kwargs) as env:
         for episode_seed in range(seed, seed + n):
             demos.append(_rollout(env, episode_seed, noise))
+            if progress is not None:
+                progress()
     return demos
 
 

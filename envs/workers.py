@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from envs.base import Info, Obs, StepResult
-from envs.registry import make_env
+from envs.vector import LocalEnvs
 
 log = logging.getLogger("envs.workers")
 
@@ -26,32 +26,23 @@ class EnvWorkerError(RuntimeError):
     """An env worker kept failing after `max_restarts` replacements in one call."""
 
 
-class EnvWorker:
-    """One process holding `len(seeds)` envs of a task (a Ray actor)."""
-
-    def __init__(self, task: str, count: int, options: dict[str, Any]) -> None:
-        self.envs = [make_env(task, **options) for _ in range(count)]
+class EnvWorker(LocalEnvs):
+    """One process holding `count` envs of a task (a Ray actor)."""
 
     def pid(self) -> int:
         return os.getpid()
 
-    def reset(self, seeds: list[int]) -> list[tuple[Obs, Info]]:
-        return [env.reset(seed=seed) for env, seed in zip(self.envs, seeds, strict=True)]
+    def get_action_dim(self) -> int:  # a method: Ray actors expose no properties
+        return self.action_dim
 
-    def step(self, actions: list[np.ndarray | None]) -> list[StepResult | None]:
-        """Step the envs whose action is not None (finished episodes sit out)."""
-        return [None if a is None else env.step(a) for env, a in zip(self.envs, actions, strict=True)]
-
-    def replay(self, seeds: list[int], histories: list[list[np.ndarray]]) -> None:
+    def replay(self, seeds: list[int | None], histories: list[list[np.ndarray]]) -> None:
         """Reset each env with its seed and re-apply its episode's actions so far."""
         for env, seed, actions in zip(self.envs, seeds, histories, strict=True):
+            if seed is None:
+                continue
             env.reset(seed=seed)
             for action in actions:
                 env.step(action)
-
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
 
 
 class EnvPool:
@@ -74,13 +65,13 @@ class EnvPool:
         context) has its own, longer `startup_timeout_s`, so a slow start is never taken for a hang."""
         if num_workers > num_envs:
             raise ValueError(f"num_workers ({num_workers}) must not exceed num_envs ({num_envs})")
-        self.task, self.options = task, dict(options or {})
+        self.task, self.options, self.num_envs = task, dict(options or {}), num_envs
         self.timeout_s, self.max_restarts, self.startup_timeout_s = timeout_s, max_restarts, startup_timeout_s
         self.remote = ray.remote(num_cpus=cpus_per_worker, max_restarts=0)(EnvWorker)
         self.slices = [s.tolist() for s in np.array_split(np.arange(num_envs), num_workers)]
         self.workers = [self._spawn(len(s)) for s in self.slices]
         self._await_start(self.workers)
-        self.seeds: list[int] = [0] * num_envs
+        self.seeds: list[int | None] = [None] * num_envs
         self.histories: list[list[np.ndarray]] = [[] for _ in range(num_envs)]
         self.restarts = 0
 
@@ -98,10 +89,15 @@ class EnvPool:
                 "check that the task builds in a fresh process (`make_env` with these options)"
             ) from err
 
+    @property
+    def action_dim(self) -> int:
+        return ray.get(self.workers[0].get_action_dim.remote(), timeout=self.timeout_s)
+
     def pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers], timeout=self.timeout_s)
 
-    def reset(self, seeds: list[int]) -> list[tuple[Obs, Info]]:
+    def reset(self, seeds: list[int | None]) -> list[tuple[Obs, Info] | None]:
+        """A None seed leaves that env idle (a batch smaller than the pool)."""
         self.seeds = list(seeds)
         self.histories = [[] for _ in seeds]
         return self._call("reset", [[seeds[i] for i in s] for s in self.slices])

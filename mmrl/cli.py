@@ -1,4 +1,4 @@
-"""`mmrl` command line: train, eval, export, quickstart, config show, model init-tiny, data synth."""
+"""`mmrl` command line: train, sft, eval, export, quickstart, config show, model init-tiny, data synth."""
 
 from __future__ import annotations
 
@@ -38,10 +38,26 @@ def _preflight(cfg: Config) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from mmrl.trainer import Trainer
+    from mmrl.vla.trainer import EpisodeTrainer
 
     cfg = load_config(args.config, args.overrides)
     _preflight(cfg)
-    Trainer(cfg, resume=args.resume).fit()
+    (Trainer if cfg.env is None else EpisodeTrainer)(cfg, resume=args.resume).fit()
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from mmrl.vla.sft import run_sft
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.sft is None or cfg.env is None:
+        raise ConfigError(f"{args.config} has no env and sft sections; see configs/vla_mujoco_reach.yaml")
+    if not (Path(cfg.sft.base_model) / "config.json").exists():
+        raise FileNotFoundError(
+            f"sft.base_model: no model at {cfg.sft.base_model}; build a tiny one with "
+            f"`mmrl model init-tiny {cfg.sft.base_model}`"
+        )
+    run_sft(cfg)
     return 0
 
 
@@ -49,6 +65,11 @@ def _eval(args: argparse.Namespace) -> int:
     from mmrl.evaluate import evaluate, print_table
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.env is not None:
+        from mmrl.vla.evaluate import evaluate_episodes
+
+        print_table(evaluate_episodes(cfg, args.checkpoint, episodes=args.episodes, out=args.out), Console())
+        return 0
     result = evaluate(
         cfg,
         args.checkpoint,
@@ -145,7 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold", type=float, default=0.5, help="accuracy score counted as correct for pass@k"
     )
     ev.add_argument("--out", default=None, help="JSON file (default: eval_*.json beside the model)")
+    ev.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="env configs: evaluation episodes (default: env.val_episodes)",
+    )
     ev.set_defaults(func=_eval)
+
+    sft = sub.add_parser("sft", help="env configs: behaviour-clone scripted demos into model.path")
+    sft.add_argument("config")
+    sft.add_argument("overrides", nargs="*", help="e.g. sft.demos=400")
+    sft.set_defaults(func=_sft)
 
     export = sub.add_parser("export", help="write a checkpoint as a plain HF model folder (LoRA merged)")
     export.add_argument("checkpoint", help="a run folder, a checkpoints/step_N folder or a model folder")

@@ -52,8 +52,9 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     train_files: list[str] = Field(
+        [],
         description="jsonl/json/parquet/arrow files, dataset folders (save_to_disk or split files), "
-        "or FOLDER@SPLIT"
+        "or FOLDER@SPLIT; required unless an env section makes episodes the data",
     )
     val_files: list[str] = []
     image_dir: str | None = Field(
@@ -95,7 +96,11 @@ class DataConfig(_Section):
     video_max_total_pixels: int = Field(
         4096 * 28 * 28, gt=0, description="Over all frames of a video: longer clips get smaller frames"
     )
-    train_batch_size: int = Field(8, gt=0, description="Prompts per training step")
+    train_batch_size: int = Field(
+        8,
+        gt=0,
+        description="Prompts per training step (with an env: initial states, each run rollout.n times)",
+    )
     val_batch_size: int = Field(64, gt=0, description="Prompts per validation generation call")
     max_val_samples: int | None = Field(None, gt=0)
     shuffle: bool = True
@@ -276,6 +281,46 @@ class WarmupConfig(_Section):
     target_template: str = "<answer>{answer}</answer>"
 
 
+class EnvConfig(_Section):
+    """A simulator task instead of prompt rows (VLA training): each step runs `rollout.n` episodes from
+    each of `data.train_batch_size` initial states, and every decision earns its episode's return.
+    Training episodes act at `rollout.temperature`; evaluation episodes at `rollout.val` (greedy)."""
+
+    task: str = Field(description="A registered env (envs.registered_envs(): reach, push, ...)")
+    options: dict[str, Any] = Field(
+        {}, description="make_env keyword arguments, e.g. image_size, camera, max_steps, shaping"
+    )
+    prompt: str = Field(
+        "<image>{instruction}", description="The prompt per decision: one <image> marker and {instruction}"
+    )
+    n_bins: int = Field(256, gt=1, description="Action bins per dimension when no SFT tokenizer is found")
+    chunk: int = Field(1, gt=0, description="Env steps per decision when no SFT tokenizer is found")
+    invalid_penalty: float = Field(
+        0.0, ge=0, description="Subtracted from an episode's return per malformed action (applied as zero)"
+    )
+    num_workers: int = Field(
+        0, ge=0, description="Ray env worker processes; 0 steps the envs in the trainer's process"
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Per reset/step call on a worker before it is replaced")
+    max_restarts: int = Field(3, ge=0, description="Replacements of one worker within one call")
+    val_episodes: int = Field(50, ge=0, description="Greedy evaluation episodes at each validation")
+    val_seed: int = Field(1_000_000, ge=0, description="First evaluation seed; training seeds stay below it")
+    media_episodes: int = Field(4, ge=0, description="Evaluation episodes drawn into each validation GIF")
+
+
+class SftConfig(_Section):
+    """`mmrl sft`: behaviour cloning on noisy scripted demos, writing the model RL starts from (model.path)."""
+
+    base_model: str = Field(description="The model cloning starts from (e.g. `mmrl model init-tiny` output)")
+    demos: int = Field(200, gt=0, description="Expert episodes")
+    demo_seed: int = Field(500_000, ge=0, description="First env seed of the demos")
+    noise: float | None = Field(None, ge=0, description="Expert action noise std; None: the task's default")
+    success_only: bool = Field(False, description="Clone only the demos that succeeded")
+    steps: int = Field(300, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(64, gt=0)
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(100, gt=0)
     val_every: int = Field(10, ge=0, description="0 disables periodic validation")
@@ -334,9 +379,15 @@ class Config(_Section):
     reward: RewardConfig = RewardConfig()
     warmup: WarmupConfig = WarmupConfig()
     trainer: TrainerConfig = TrainerConfig()
+    env: EnvConfig | None = None
+    sft: SftConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        if self.env is None and not self.data.train_files:
+            raise ValueError("data.train_files is required: name the training data (or add an env section)")
+        if self.env is not None:
+            self._check_env_supported()
         if self.data.train_batch_size % self.actor.mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
@@ -385,6 +436,19 @@ class Config(_Section):
                 "group, so it needs rollout.n >= 2"
             )
         return self
+
+    def _check_env_supported(self) -> None:
+        """Episode training grades whole episodes, so settings that grade or warm up on answers are refused."""
+        refused = {
+            "data.train_files (episodes are the data)": bool(self.data.train_files),
+            "warmup.steps > 0 (use `mmrl sft` to start from demos)": self.warmup.steps > 0,
+            "algorithm.adv_estimator gae or remax (episodes use group baselines)": self.algorithm.adv_estimator
+            in ("gae", "remax"),
+            "algorithm.use_kl_in_reward (use actor.use_kl_loss)": self.algorithm.use_kl_in_reward,
+        }
+        hit = [name for name, bad in refused.items() if bad]
+        if hit:
+            raise ValueError(f"an env section (VLA episodes) does not combine with {'; '.join(hit)}")
 
     def _check_workers_supported(self) -> None:
         """What the Ray worker path does not do yet, refused up front rather than ignored."""

@@ -53,6 +53,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def load_for_eval(cfg: Config, checkpoint: str | Path) -> tuple[Path, Any, Any, Any]:
+    """The checkpoint's model folder, the model in eval mode, its processor, and a rollout engine on it."""
+    model_dir = resolve_checkpoint(checkpoint)
+    device = (
+        cfg.trainer.device
+        if cfg.trainer.device != "auto"
+        else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if is_adapter(model_dir):
+        model = load_with_adapter(model_dir, device).eval()
+    else:
+        model = load_policy(model_dir, torch.float32, device).eval()
+    processor = load_processor(model_dir)
+    compute_dtype = resolve_dtype(cfg.model.dtype, device)
+    engine = engine_from_config(cfg, model, processor, compute_dtype, model.config._name_or_path)
+    engine.sync_weights()  # vLLM loads the architecture from the folder; the weights are the model's
+    return model_dir, model, processor, engine
+
+
 @dataclass
 class EvalResult:
     """What `mmrl eval` reports; `metrics` is what lands in the JSON file."""
@@ -76,18 +95,7 @@ def evaluate(
         raise ConfigError(
             "mmrl eval scores data.val_files, and the config has none; pass data.val_files=FILE"
         )
-    model_dir = resolve_checkpoint(checkpoint)
-    device = (
-        cfg.trainer.device
-        if cfg.trainer.device != "auto"
-        else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    compute_dtype = resolve_dtype(cfg.model.dtype, device)
-    if is_adapter(model_dir):
-        model = load_with_adapter(model_dir, device).eval()
-    else:
-        model = load_policy(model_dir, torch.float32, device).eval()
-    processor = load_processor(model_dir)
+    model_dir, model, processor, engine = load_for_eval(cfg, checkpoint)
     _, samples = build_datasets(cfg, processor, model.config)
     if not samples:
         raise ConfigError(f"data.val_files {cfg.data.val_files}: no usable rows (see the skip warnings)")
@@ -111,8 +119,6 @@ def evaluate(
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
-    engine = engine_from_config(cfg, model, processor, compute_dtype, model.config._name_or_path)
-    engine.sync_weights()  # vLLM loads the architecture from the folder; the weights are the model's
     functions = [f.model_dump() for f in cfg.reward.functions]
     with RewardManager(
         functions,

@@ -105,18 +105,7 @@ class Trainer:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
-        model_config = AutoConfig.from_pretrained(cfg.model.path)
-        self.train_set, self.val_samples = build_datasets(cfg, self.processor, model_config)
-        self.loader = PromptLoader(
-            self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
-        )
-        self.rewards = RewardManager(
-            [f.model_dump() for f in cfg.reward.functions],
-            timeout_s=cfg.reward.timeout_s,
-            isolation=cfg.reward.isolation,
-            num_workers=cfg.reward.num_workers,
-        )
-        self.accuracy_key = reward_label(cfg.reward.functions[0].name)
+        self._setup_source(AutoConfig.from_pretrained(cfg.model.path))
         self.peft: Any = None  # the PeftModel wrapper once LoRA adapters are in
         self.engine: Any
         self.actor: Any
@@ -166,7 +155,7 @@ class Trainer:
         self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
         # A resumed run's step-0 record is already in the log (a checkpoint of step 0 is written when
         # the very first steps all fail numerically).
-        if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self.val_samples:
+        if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self._validates:
             with self._worker_errors():
                 self.logger.log(0, self.validate())
         with self._progress() as bar:
@@ -186,7 +175,7 @@ class Trainer:
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
         )
         self.logger.close()
-        self.rewards.close()
+        self._close_source()
         return {"run_dir": str(self.run_dir), "steps": self.step}
 
     def _save_if_due(self) -> None:
@@ -203,11 +192,11 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         timer = _Timer()
         batch, metrics = self.rollouts(timer)
-        metrics.update(_data_metrics(batch, self.train_set.skipped, self.loader.epoch))
+        metrics.update(self._source_metrics(batch))
         if not len(batch):  # dynamic sampling kept no group and on_unfilled=continue: nothing to learn
             return metrics
         algo = self.cfg.algorithm
-        if algo.use_kl_in_reward or needs_old_logprobs(self.cfg, len(batch)):
+        if algo.use_kl_in_reward or self._needs_old_logprobs(batch):
             with timer("old_logprobs"):
                 batch.set(old_logprobs=self.actor.logprobs(batch))
         if self.ref is not None:
@@ -227,7 +216,7 @@ class Trainer:
                 metrics.update(self._update_critic(batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
-                stats = self.actor.update(batch, update_plan(self.cfg, batch))
+                stats = self.actor.update(batch, self._update_plan(batch))
             with timer("sync"):
                 self.engine.sync_weights()
             metrics.update(stats.metrics)
@@ -299,6 +288,47 @@ class Trainer:
             metrics["reward/overlong_penalty"] = float(penalty.mean())
         batch.set(scores=scores)
         return batch, metrics
+
+    # ---------------------------------------------------------------- the prompt source
+    # What a step's rollouts start from. `mmrl.vla.trainer.EpisodeTrainer` swaps these methods (and
+    # `rollouts`, `advantages`, `validate`) for simulator episodes; the loop above stays the same.
+    def _setup_source(self, model_config: Any) -> None:
+        """Prompt rows, their loader, and the reward functions that grade the answers."""
+        cfg = self.cfg
+        self.train_set, self.val_samples = build_datasets(cfg, self.processor, model_config)
+        self.loader = PromptLoader(
+            self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
+        )
+        self.rewards = RewardManager(
+            [f.model_dump() for f in cfg.reward.functions],
+            timeout_s=cfg.reward.timeout_s,
+            isolation=cfg.reward.isolation,
+            num_workers=cfg.reward.num_workers,
+        )
+        self.accuracy_key = reward_label(cfg.reward.functions[0].name)
+
+    @property
+    def _validates(self) -> bool:
+        return bool(self.val_samples)
+
+    def _source_metrics(self, batch: Batch) -> dict[str, Any]:
+        return _data_metrics(batch, self.train_set.skipped, self.loader.epoch)
+
+    def _source_state(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "bad_rows": dict(self.train_set.bad_rows)}
+
+    def _load_source_state(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.train_set.bad_rows = dict(state["bad_rows"])
+
+    def _close_source(self) -> None:
+        self.rewards.close()
+
+    def _update_plan(self, batch: Batch) -> list[Any]:
+        return update_plan(self.cfg, batch)
+
+    def _needs_old_logprobs(self, batch: Batch) -> bool:
+        return needs_old_logprobs(self.cfg, len(batch))
 
     # ---------------------------------------------------------------- pieces
     @property
@@ -394,8 +424,7 @@ class Trainer:
         so the state before a run of skipped updates can still be saved once it is known to be bad."""
         return {
             "step": self.step,
-            "loader": self.loader.state_dict(),
-            "bad_rows": dict(self.train_set.bad_rows),
+            **self._source_state(),
             "rng": ckpt.rng_state(),
             "kl_coef": self.kl_ctrl.value,
         }
@@ -404,10 +433,8 @@ class Trainer:
         """Checkpoint the model, optimizer and `small_state` (default: as they are now)."""
         small = small_state or self._small_state()
         state = dict(small)
-        if self.workers is not None:  # each worker writes its own shards of weights and AdamW state
-            write_model: Any = self.workers.save
-        else:  # under LoRA the adapter alone, in peft's format
-            write_model = ckpt.hf_writer(self.peft or self.model, self.processor)
+        write_model = self._model_writer()
+        if self.workers is None:
             state["optimizer"] = self.actor.optimizer.state_dict()
             state["scheduler"] = self.actor.scheduler.state_dict()
         if self.critic is not None:
@@ -419,6 +446,13 @@ class Trainer:
             )
         except OSError as err:
             raise CheckpointError(_save_failure(root, small["step"], err)) from err
+
+    def _model_writer(self) -> Any:
+        """What writes the weights into a checkpoint folder: each worker its own shards of weights and
+        AdamW state, or this process the model (under LoRA the adapter alone, in peft's format)."""
+        if self.workers is not None:
+            return self.workers.save
+        return ckpt.hf_writer(self.peft or self.model, self.processor)
 
     def _check_numerics(self, metrics: dict[str, Any], before: dict[str, Any]) -> None:
         """Stop after `trainer.max_consecutive_bad_steps` steps in a row whose every actor update was
@@ -470,8 +504,7 @@ class Trainer:
                 ckpt.load_model_weights(self.model, folder)
             self.actor.optimizer.load_state_dict(state["optimizer"])
             self.actor.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
-        self.train_set.bad_rows = dict(state["bad_rows"])
+        self._load_source_state(state)
         ckpt.set_rng_state(state["rng"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
         if self.critic is not None:

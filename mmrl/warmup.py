@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.actor import forward_logprobs
-from mmrl.batch import Batch
 from mmrl.config import WarmupConfig
 from mmrl.data import PromptSample
+from mmrl.supervised import supervised_step
 
 
 def format_warmup(
@@ -27,30 +26,16 @@ def format_warmup(
     rng = np.random.default_rng([seed, 1])
     answers = [str(s.ground_truth) for s in samples]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    model.train()
     losses = []
     for _ in range(cfg.steps):
         rows = rng.choice(len(samples), size=cfg.batch_size)
         targets = rng.choice(answers, size=cfg.batch_size)  # independent of the rows: no task signal
         ids = [
-            tokenizer(cfg.target_template.format(answer=a), add_special_tokens=False)["input_ids"]
+            [
+                *tokenizer(cfg.target_template.format(answer=a), add_special_tokens=False)["input_ids"],
+                tokenizer.eos_token_id,
+            ]
             for a in targets
         ]
-        ids = [[*row, tokenizer.eos_token_id] for row in ids]
-        width = max(map(len, ids))
-        response = torch.full((len(ids), width), tokenizer.pad_token_id)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, row in enumerate(ids):
-            response[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = 1
-        batch = Batch(
-            tensors={"prompt_index": torch.as_tensor(rows), "response_ids": response, "response_mask": mask},
-            prompts=samples,
-        )
-        logp, _ = forward_logprobs(model, batch, tokenizer.pad_token_id)
-        loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(supervised_step(model, optimizer, samples, rows.tolist(), ids, tokenizer.pad_token_id))
     return losses

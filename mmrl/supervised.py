@@ -1,0 +1,40 @@
+"""One cross-entropy step on given responses: the format warm-up and behaviour cloning (`mmrl sft`)
+both teach by example through the same forward the RL update uses, so what they teach is what RL sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrl.actor import forward_logprobs
+from mmrl.batch import Batch
+from mmrl.data import PromptSample
+
+
+def supervised_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    prompts: list[PromptSample],
+    rows: list[int],
+    responses: list[list[int]],
+    pad_id: int,
+) -> float:
+    """Mean token negative log-likelihood of `responses[i]` after prompt `prompts[rows[i]]`; one step."""
+    width = max(map(len, responses))
+    response = torch.full((len(responses), width), pad_id)
+    mask = torch.zeros((len(responses), width), dtype=torch.long)
+    for i, ids in enumerate(responses):
+        response[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    batch = Batch(
+        tensors={"prompt_index": torch.as_tensor(rows), "response_ids": response, "response_mask": mask},
+        prompts=prompts,
+    )
+    model.train()
+    logp, _ = forward_logprobs(model, batch, pad_id)
+    loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())

@@ -1,0 +1,6 @@
+"""VLA training: a VLM acts in a simulator (`envs/`) by emitting action tokens.
+
+`observations` turns frames into prompts, `episodes` runs groups of episodes in lockstep,
+`sft` behaviour-clones scripted demos, `trainer` is the RL loop over episodes, and `evaluate`
+measures success over fixed seeds.
+"""

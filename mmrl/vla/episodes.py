@@ -1,0 +1,119 @@
+"""Episodes in lockstep: every live env gets a decision from one batched `generate` call per step.
+
+A decision is one response of `tokenizer.n_tokens` action tokens to one frame. The batch that comes
+back has a row per decision, each pointing at its own prompt (its frame), plus `episode_index`
+and `group_index` columns: episodes that started from the same seed form a group, as the n
+responses to one prompt do in GRPO on text.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from envs.actions import ActionTokenizer, InvalidAction
+from envs.vector import VectorEnv
+from mmrl.batch import Batch, concat
+from mmrl.rollout import SamplingParams
+from mmrl.rollout.base import RolloutEngine
+from mmrl.vla.observations import ObservationPrompts
+
+log = logging.getLogger("mmrl.vla")
+
+
+@dataclass
+class Episodes:
+    """Decisions as a trainable batch, and what each episode came to."""
+
+    batch: Batch
+    seeds: list[int]
+    returns: torch.Tensor  # (E,) env reward summed, minus the invalid-action penalty
+    success: torch.Tensor  # (E,) bool
+    lengths: torch.Tensor  # (E,) decisions taken
+    invalid: dict[str, int] = field(default_factory=dict)  # malformed decisions by kind
+    frames: list[list[np.ndarray]] = field(default_factory=list)  # the first `record` episodes' frames
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {
+            f"{prefix}/success": float(self.success.float().mean()),
+            f"{prefix}/return": float(self.returns.mean()),
+            f"{prefix}/episode_length": float(self.lengths.float().mean()),
+            f"{prefix}/invalid_actions": float(sum(self.invalid.values())),
+        }
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    envs: VectorEnv,
+    prompts: ObservationPrompts,
+    tokenizer: ActionTokenizer,
+    seeds: list[int],
+    params: SamplingParams,
+    *,
+    group_size: int = 1,
+    invalid_penalty: float = 0.0,
+    record: int = 0,
+) -> Episodes:
+    """Run one episode per seed on `envs` (one env each, spare envs idle) until every episode has ended.
+
+    Consecutive runs of `group_size` seeds form a group (pass each seed `group_size` times). A
+    malformed response is applied as the zero action, counted, and costs `invalid_penalty`."""
+    n = len(seeds)
+    if n > envs.num_envs:
+        raise ValueError(f"{n} episodes need as many envs; the pool has {envs.num_envs}")
+    obs = [r[0] for r in envs.reset([*seeds, *[None] * (envs.num_envs - n)])[:n]]
+    returns, success, lengths = np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
+    live = np.ones(n, dtype=bool)
+    invalid: dict[str, int] = {}
+    frames: list[list[np.ndarray]] = [[obs[i]["image"]] for i in range(min(record, n))]
+    params = SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_new_tokens=tokenizer.n_tokens,
+        logprobs=params.logprobs,
+    )
+    parts = []
+    while live.any():
+        idx = np.flatnonzero(live).tolist()
+        out = engine.generate(prompts([obs[i] for i in idx], row_ids=idx), params)
+        out.set(episode_index=torch.tensor(idx), truncated=torch.zeros(len(idx), dtype=torch.bool))
+        parts.append(out)
+        chunks: list[np.ndarray | None] = [None] * n
+        for row, i in enumerate(idx):
+            ids = out["response_ids"][row][out["response_mask"][row].bool()].tolist()
+            action = tokenizer.decode(ids)
+            if isinstance(action, InvalidAction):
+                invalid[action.kind] = invalid.get(action.kind, 0) + 1
+                log.debug("episode %d (seed %d): invalid action: %s", i, seeds[i], action.reason)
+                returns[i] -= invalid_penalty
+                action = np.zeros((tokenizer.chunk, tokenizer.action_dim))
+            chunks[i] = action
+            lengths[i] += 1
+        for k in range(tokenizer.chunk):  # a chunk's steps in order; an episode may end mid-chunk
+            step = [chunks[i][k] if live[i] and chunks[i] is not None else None for i in range(n)]
+            for i, result in enumerate(envs.step([*step, *[None] * (envs.num_envs - n)])[:n]):
+                if result is None:
+                    continue
+                obs[i], reward, terminated, truncated, info = result
+                returns[i] += reward
+                if i < len(frames):
+                    frames[i].append(obs[i]["image"])
+                if terminated or truncated:
+                    live[i], success[i] = False, bool(info["success"])
+    batch = concat(parts)
+    episode = batch["episode_index"]
+    batch.set(group_index=episode // group_size, scores=torch.tensor(returns, dtype=torch.float32)[episode])
+    return Episodes(
+        batch=batch,
+        seeds=list(seeds),
+        returns=torch.tensor(returns, dtype=torch.float32),
+        success=torch.tensor(success),
+        lengths=torch.tensor(lengths),
+        invalid=invalid,
+        frames=frames,
+    )

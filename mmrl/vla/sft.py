@@ -1,0 +1,155 @@
+"""`mmrl sft`: behaviour-clone a VLM on a scripted expert's noisy demos, the usual start of VLA RL.
+
+The expert is deliberately imperfect (`envs.experts`), so the cloned policy succeeds sometimes and RL
+has room to improve it. The output folder is a plain model folder plus `action_tokenizer.json`,
+the bins and q01/q99 statistics the policy was taught with; `mmrl train` and `mmrl eval` read it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import AutoConfig
+
+from envs.actions import ActionStats, ActionTokenizer
+from envs.experts import Demo, collect_demos
+from mmrl.config import Config
+from mmrl.models import load_policy, load_processor
+from mmrl.supervised import supervised_step
+from mmrl.vla.observations import ObservationPrompts
+from processors import PixelBudget
+
+TOKENIZER_FILE = "action_tokenizer.json"
+
+
+def save_action_tokenizer(tokenizer: ActionTokenizer, folder: Path) -> None:
+    (Path(folder) / TOKENIZER_FILE).write_text(json.dumps(tokenizer.to_dict(), indent=1))
+
+
+def load_action_tokenizer(folder: str | Path) -> ActionTokenizer | None:
+    """The tokenizer saved beside a policy, or None for a model that was never taught actions."""
+    path = Path(folder) / TOKENIZER_FILE
+    return ActionTokenizer.from_dict(json.loads(path.read_text())) if path.exists() else None
+
+
+def pixel_budget(cfg: Config) -> PixelBudget:
+    return PixelBudget(min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+
+
+def demo_steps(demos: list[Demo], tokenizer: ActionTokenizer) -> list[tuple[Demo, int, list[int]]]:
+    """(demo, t, target ids) for every decision: the chunk of actions starting at step t, the last
+    action repeated where the episode ends inside a chunk."""
+    steps = []
+    for demo in demos:
+        for t in range(0, len(demo.actions), tokenizer.chunk):
+            rows = np.minimum(np.arange(t, t + tokenizer.chunk), len(demo.actions) - 1)
+            steps.append((demo, t, tokenizer.encode(demo.actions[rows])))
+    return steps
+
+
+def behaviour_clone(
+    model: torch.nn.Module,
+    prompts: ObservationPrompts,
+    steps: list[tuple[Demo, int, list[int]]],
+    *,
+    updates: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    pad_id: int,
+    progress: Progress | None = None,
+) -> list[float]:
+    """`updates` AdamW steps of cross-entropy on random mini-batches of demo decisions; the losses."""
+    rng = np.random.default_rng([seed, 2])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    task = progress.add_task("behaviour cloning", total=updates) if progress is not None else None
+    losses = []
+    for _ in range(updates):
+        picked = [steps[i] for i in rng.choice(len(steps), size=min(batch_size, len(steps)), replace=False)]
+        samples = prompts([{"image": d.frames[t], "instruction": d.instruction} for d, t, _ in picked])
+        losses.append(
+            supervised_step(
+                model, optimizer, samples, list(range(len(picked))), [ids for *_, ids in picked], pad_id
+            )
+        )
+        if progress is not None and task is not None:
+            progress.update(task, advance=1)
+    return losses
+
+
+def run_sft(cfg: Config, console: Console | None = None) -> Path:
+    """Collect demos, fit the action statistics, clone, and write the policy to `model.path`."""
+    console = console or Console()
+    if cfg.env is None or cfg.sft is None:
+        raise ValueError(
+            "`mmrl sft` needs a config with env and sft sections (see configs/vla_mujoco_reach.yaml)"
+        )
+    env, sft = cfg.env, cfg.sft
+    out = Path(cfg.model.path)
+    torch.manual_seed(cfg.trainer.seed)
+    with _progress(console) as progress:
+        task = progress.add_task("expert demos", total=sft.demos)
+        demos = collect_demos(
+            env.task,
+            sft.demos,
+            seed=sft.demo_seed,
+            noise=sft.noise,
+            progress=lambda: progress.advance(task),
+            **env.options,
+        )
+        rate = float(np.mean([d.success for d in demos]))
+        used = [d for d in demos if d.success] if sft.success_only else demos
+        if not used:
+            raise ValueError("sft.success_only: no demo succeeded; lower sft.noise or add demos")
+        vocab = AutoConfig.from_pretrained(sft.base_model).text_config.vocab_size
+        tokenizer = ActionTokenizer.for_vocab(
+            vocab,
+            used[0].actions.shape[1],
+            n_bins=env.n_bins,
+            chunk=env.chunk,
+            stats=ActionStats.from_demos([d.actions for d in used]),
+        )
+        processor = load_processor(sft.base_model)
+        model = load_policy(sft.base_model, torch.float32, "cpu")
+        losses = behaviour_clone(
+            model,
+            ObservationPrompts(processor, pixel_budget(cfg), env.prompt),
+            demo_steps(used, tokenizer),
+            updates=sft.steps,
+            lr=sft.lr,
+            batch_size=sft.batch_size,
+            seed=cfg.trainer.seed,
+            pad_id=processor.tokenizer.pad_token_id,
+            progress=progress,
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    save_action_tokenizer(tokenizer, out)
+    report = {
+        "demos": len(demos),
+        "demo_success": rate,
+        "cloned_demos": len(used),
+        "loss": [losses[0], losses[-1]],
+    }
+    (out / "sft_report.json").write_text(json.dumps(report, indent=1))
+    console.print(
+        f"cloned {len(used)} of {len(demos)} expert demos (expert success {rate:.0%}); "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; policy written to {out}"
+    )
+    return out
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )

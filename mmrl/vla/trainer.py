@@ -1,0 +1,189 @@
+"""The RL loop over simulator episodes: `Trainer`'s loop with episodes as the source of rollouts.
+
+Each step runs `rollout.n` episodes from each of `data.train_batch_size` initial states. An episode's
+return is the reward of every decision in it, and advantages are normalised over the episodes that
+share an initial state (trajectory-level GRPO), so each episode counts once however long it ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from envs.actions import ActionTokenizer
+from envs.vector import LocalEnvs, VectorEnv
+from mmrl.algorithms import informative_groups
+from mmrl.batch import Batch
+from mmrl.optim import plan_minibatches
+from mmrl.rollout import SamplingParams
+from mmrl.trainer import Trainer, _Timer
+from mmrl.vla.episodes import Episodes, run_episodes
+from mmrl.vla.media import episodes_gif
+from mmrl.vla.observations import ObservationPrompts
+from mmrl.vla.sft import load_action_tokenizer, pixel_budget, save_action_tokenizer
+
+
+def make_envs(cfg: Any, count: int) -> VectorEnv:
+    """`count` envs of the configured task: in this process, or over `env.num_workers` Ray workers."""
+    env = cfg.env
+    if not env.num_workers:
+        return LocalEnvs(env.task, count, env.options)
+    from envs.workers import EnvPool
+    from mmrl.workers.group import connect
+
+    connect(cfg.trainer.ray_address)
+    return EnvPool(
+        env.task,
+        count,
+        min(env.num_workers, count),
+        env.options,
+        timeout_s=env.timeout_s,
+        max_restarts=env.max_restarts,
+    )
+
+
+def train_seeds(seed: int, step: int, count: int, below: int) -> list[int]:
+    """The initial states of a step: a function of (run seed, step) alone, so a resumed run meets the
+    same ones, and all below the evaluation seeds so training never sees an evaluation scene."""
+    return np.random.default_rng([seed, step, 3]).integers(0, below, size=count).tolist()
+
+
+def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: int) -> ActionTokenizer:
+    """The tokenizer `mmrl sft` saved beside the model, or fresh bins over [-1, 1] for a model never
+    taught actions (then RL must discover the action tokens on its own)."""
+    saved = load_action_tokenizer(model_path)
+    if saved is not None:
+        if saved.action_dim != action_dim:
+            raise ValueError(
+                f"{model_path} was taught {saved.action_dim}-D actions; env {cfg.env.task} takes {action_dim}-D"
+            )
+        return saved
+    return ActionTokenizer.for_vocab(vocab_size, action_dim, n_bins=cfg.env.n_bins, chunk=cfg.env.chunk)
+
+
+class EpisodeTrainer(Trainer):
+    """`Trainer` whose rollouts are episodes, rewards are returns and validation is a success rate."""
+
+    def _setup_source(self, model_config: Any) -> None:
+        cfg = self.cfg
+        self.val_samples = []
+        self.envs = make_envs(cfg, max(cfg.data.train_batch_size * cfg.rollout.n, cfg.env.val_episodes))
+        self.action_tokenizer = episode_tokenizer(
+            cfg, cfg.model.path, model_config.text_config.vocab_size, self.envs.action_dim
+        )
+        self.prompts = ObservationPrompts(self.processor, pixel_budget(cfg), cfg.env.prompt)
+
+    @property
+    def _validates(self) -> bool:
+        return self.cfg.env.val_episodes > 0
+
+    def _source_metrics(self, batch: Batch) -> dict[str, Any]:
+        return {"env/restarts": self.envs.restarts}
+
+    def _source_state(self) -> dict[str, Any]:
+        return {}  # a step's seeds follow from the step number
+
+    def _load_source_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def _close_source(self) -> None:
+        self.envs.close()
+
+    def _update_plan(self, batch: Batch) -> list[Any]:
+        """`data.train_batch_size / actor.mini_batch_size` optimizer steps per epoch over the decisions."""
+        a = self.cfg.actor
+        steps = self.cfg.data.train_batch_size // a.mini_batch_size
+        rows = -(-len(batch) // steps)
+        return plan_minibatches(batch, rows, a.ppo_epochs, self.action_tokenizer.n_tokens)
+
+    def _needs_old_logprobs(self, batch: Batch) -> bool:
+        a = self.cfg.actor
+        return a.ppo_epochs > 1 or a.mini_batch_size < self.cfg.data.train_batch_size
+
+    def _model_writer(self) -> Any:
+        write = super()._model_writer()
+
+        def write_with_actions(folder: Any) -> None:
+            write(folder)
+            save_action_tokenizer(self.action_tokenizer, Path(folder) / "model")
+
+        return write_with_actions
+
+    def episodes(
+        self, seeds: list[int], params: SamplingParams, group_size: int = 1, record: int = 0
+    ) -> Episodes:
+        with self._engine_errors("episode rollout"):
+            episodes = run_episodes(
+                self.engine,
+                self.envs,
+                self.prompts,
+                self.action_tokenizer,
+                seeds,
+                params,
+                group_size=group_size,
+                invalid_penalty=self.cfg.env.invalid_penalty,
+                record=record,
+            )
+            self.engine.sleep()
+        return episodes
+
+    def rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
+        """The step's episodes; with dynamic sampling, only groups whose returns differ (one round:
+        a fresh round would need fresh initial states and as long again)."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        seeds = train_seeds(cfg.trainer.seed, self.step, cfg.data.train_batch_size, cfg.env.val_seed)
+        with timer("rollout"):
+            episodes = self.episodes([s for s in seeds for _ in range(n)], self.train_sampling, group_size=n)
+        batch = episodes.batch
+        metrics = episodes.metrics("episode")
+        metrics["reward/mean"] = float(episodes.returns.mean())
+        metrics.update({f"episode/invalid_{k}": v for k, v in episodes.invalid.items()})
+        if cfg.algorithm.dynamic_sampling:
+            keep = informative_groups(batch["scores"], batch["group_index"])
+            metrics["dynamic_sampling/kept_groups"] = len(batch["group_index"][keep].unique())
+            batch = batch.select(keep.nonzero().squeeze(1))
+        return batch, metrics
+
+    def advantages(self, batch: Batch, metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimator over episodes (one return each, grouped by initial state), then each
+        decision takes its episode's advantage on every action token."""
+        episodes, first = _first_rows(batch["episode_index"])
+        returns = batch["scores"][first][:, None]
+        advantages, targets = self.advantage(
+            returns,
+            torch.ones_like(returns),
+            batch["group_index"][first],
+            norm_adv_by_std=self.cfg.algorithm.norm_adv_by_std,
+            gamma=self.cfg.algorithm.gamma,
+            lam=self.cfg.algorithm.lam,
+        )
+        mask = batch["response_mask"].float()
+        return advantages[episodes] * mask, targets[episodes] * mask
+
+    def validate(self) -> dict[str, Any]:
+        """Success over the fixed evaluation seeds, and a GIF of the first `env.media_episodes`."""
+        env, v = self.cfg.env, self.cfg.rollout.val
+        if not env.val_episodes:
+            return {}
+        params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
+        seeds = list(range(env.val_seed, env.val_seed + env.val_episodes))
+        episodes = self.episodes(seeds, params, record=env.media_episodes)
+        metrics = episodes.metrics("val")
+        metrics["val/accuracy"] = metrics["val/success"]
+        if episodes.frames:
+            shown = episodes.success[: len(episodes.frames)].tolist()
+            episodes_gif(episodes.frames, shown, self.run_dir / "media" / f"step_{self.step:06d}.gif")
+        return metrics
+
+
+def _first_rows(episode_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row its episode's position among the distinct episodes, and each episode's first row."""
+    _, position = episode_index.unique(return_inverse=True)
+    rows = torch.arange(len(episode_index))
+    first = torch.full((int(position.max()) + 1,), len(episode_index)).scatter_reduce(
+        0, position, rows, "amin"
+    )
+    return position, first
