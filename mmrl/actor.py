@@ -33,8 +33,9 @@ from mmrl.optim import (
     per_minibatch,
     plan_minibatches,
 )
+from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad, vision_inputs
-from processors import mrope_position_ids
+from processors import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
 
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
@@ -52,7 +53,8 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     input_ids = torch.cat([prompt_ids, response], dim=1)
     attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
     cfg = model.config
-    positions = _positions(cfg, prompts, input_ids, attention)
+    rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
+    positions = _positions(cfg, prompts, input_ids, attention, rules)
     input_ids = input_ids.to(device)
     embeds = model.model.get_input_embeddings()(input_ids)
     for token_id, features in (
@@ -73,11 +75,22 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
 
 
 def _positions(
-    cfg: Any, prompts: list[Any], input_ids: torch.Tensor, attention: torch.Tensor
+    cfg: Any,
+    prompts: list[Any],
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    rules: PositionRule | list[PositionRule] = TRANSFORMERS_RULE,
 ) -> torch.Tensor:
-    """mRoPE ids of prompt + response as the model lays them out, videos' time axis included; the
-    response continues after the prompt's last token, as transformers' generation does
-    (`tests/test_video_training.py` checks it after a video whose time ids run past that token)."""
+    """mRoPE ids of prompt + response as the engine that sampled each row laid them out, videos' time
+    axis included; the response continues after the prompt as that engine's generation does.
+
+    Why the engine's rule and not one fixed layout: the trainer's log-probs must be of the tokens at
+    the positions they were sampled at, or the PPO ratio compares two different inputs. transformers
+    and vLLM place the text after a long video differently (`processors.rope`), and vLLM's layout is
+    not configurable, so the engine records its `PositionRule` per row (`POSITION_RULE`) and training
+    follows it; rows without one were sampled by the HF engine, under transformers' rule.
+    (`tests/test_video_training.py` and `tests/test_vllm.py` check both against the engines' log-probs.)
+    """
     images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
     videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
     seconds = [p.second_per_grid_ts for p in prompts if p.second_per_grid_ts is not None]
@@ -91,6 +104,7 @@ def _positions(
         video_grid_thw=torch.cat(videos) if videos else None,
         second_per_grid_ts=torch.cat(seconds) if seconds else None,
         tokens_per_second=getattr(cfg.vision_config, "tokens_per_second", 1.0),
+        rules=rules,
     )
 
 

@@ -7,12 +7,13 @@ the vision tower produces.
 
 from processors.chat import build_messages, encode_prompt, split_image_markers, split_media_markers
 from processors.image import ImageError, PixelBudget, fit_image, load_image, num_image_tokens, smart_size
-from processors.rope import mrope_position_ids
+from processors.rope import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
 from processors.video import (
     FramePlan,
     Video,
     VideoBudget,
     VideoError,
+    keep_frames_kwargs,
     num_video_tokens,
     plan_frames,
     read_video,
@@ -23,15 +24,18 @@ from processors.video import (
 from processors.vision import pixel_inputs
 
 __all__ = [
+    "TRANSFORMERS_RULE",
     "FramePlan",
     "ImageError",
     "PixelBudget",
+    "PositionRule",
     "Video",
     "VideoBudget",
     "VideoError",
     "build_messages",
     "encode_prompt",
     "fit_image",
+    "keep_frames_kwargs",
     "load_image",
     "mrope_position_ids",
     "num_image_tokens",

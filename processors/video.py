@@ -168,15 +168,21 @@ def read_video(
     return Video(_resize(frames, size), tuple(plan.timestamps), plan.fps, (height, width))
 
 
+def keep_frames_kwargs(video_processor: Any) -> dict[str, Any]:
+    """Video processor options that take frames as `read_video` prepared them: no resampling, no resizing."""
+    kwargs: dict[str, Any] = {"do_resize": False, "do_sample_frames": False}
+    if "cap_pixels_per_frame" in getattr(video_processor.valid_kwargs, "__annotations__", {}):
+        kwargs["cap_pixels_per_frame"] = False  # only acts when resizing; set to silence its warning
+    return kwargs
+
+
 def video_pixel_inputs(videos: Sequence[Video], video_processor: Any) -> dict[str, torch.Tensor]:
     """Normalise and patchify with the checkpoint's own video processor, never resizing or resampling.
 
     Letting the processor resize would let it and the prompt disagree on the token count; the
     returned `second_per_grid_ts` is what `get_rope_index` and `mrope_position_ids` expect.
     """
-    kwargs: dict[str, Any] = {"do_resize": False, "do_sample_frames": False, "return_tensors": "pt"}
-    if "cap_pixels_per_frame" in getattr(video_processor.valid_kwargs, "__annotations__", {}):
-        kwargs["cap_pixels_per_frame"] = False  # only acts when resizing; set to silence its warning
+    kwargs = {**keep_frames_kwargs(video_processor), "return_tensors": "pt"}
     out = video_processor(videos=[v.frames for v in videos], input_data_format="channels_last", **kwargs)
     tps = video_processor.temporal_patch_size
     return {

@@ -1,10 +1,23 @@
-"""Inputs shared by the engine tests: prompts that mix image sizes and text-only rows."""
+"""Inputs shared by the engine tests: prompts that mix image sizes and text-only rows, data rows that
+mix images, videos and text, and one actor update on a rollout batch."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
 from PIL import Image
 
+from mmrl.actor import build_actor
+from mmrl.batch import Batch
+from mmrl.config import Config, load_config
 from mmrl.data import PromptSample
+from mmrl.optim import UpdateStats, plan_minibatches
+from mmrl.synthetic import generate
+from mmrl.synthetic_video import QUESTION, generate_motion
 from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=112 * 112)
@@ -29,3 +42,64 @@ def mixed_prompts(processor, with_text_only: bool = True) -> list[PromptSample]:
         ids = encode_prompt(tok, build_messages("How many circles?", 0), [])
         samples.insert(1, PromptSample(9, ids, "q", "one"))
     return samples
+
+
+def mixed_media_rows(root: Path) -> Path:
+    """Image, video, image+video and text-only rows, then three rows with broken videos."""
+    generate(root / "img", task="color", n_train=2, n_val=0, seed=0, image_size=56)
+    generate_motion(root / "vid", n_train=2, n_val=0, seed=0, image_size=56)
+    image, video = "img/images/train_000000.png", "vid/videos/train_000000.mp4"
+    shutil.copy(root / "vid/videos/train_000001.mp4", root / "truncated.mp4")
+    data = (root / "truncated.mp4").read_bytes()
+    (root / "truncated.mp4").write_bytes(data[: len(data) // 3])
+    (root / "empty.mp4").write_bytes(b"")
+    rows = [
+        {"problem": "<image>What colour is the shape?", "answer": "red", "images": [image]},
+        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": [video]},
+        {
+            "problem": f"<image>colour? <video>{QUESTION}",
+            "answer": "up",
+            "images": [image],
+            "videos": [video],
+        },
+        {"problem": "How many circles?", "answer": "one"},
+        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": ["truncated.mp4"]},
+        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": ["empty.mp4"]},
+        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": ["missing.mp4"]},
+    ]
+    path = root / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def mixed_media_dataset(
+    root: Path, model_dir: Path, processor: Any, model_config: Any, overrides: tuple[str, ...] = ()
+) -> tuple[Config, Any]:
+    """The video quickstart recipe over `mixed_media_rows`: its config and training dataset."""
+    from mmrl.trainer import build_datasets
+
+    cfg = load_config(
+        "configs/quickstart_video.yaml",
+        [
+            f"model.path={model_dir}",
+            f"data.train_files={mixed_media_rows(root)}",
+            "data.val_files=[]",
+            *overrides,
+        ],
+    )
+    train, _ = build_datasets(cfg, processor, model_config)
+    return cfg, train
+
+
+def update_once(cfg: Config, model: Any, batch: Batch, pad_id: int, horizon: int) -> UpdateStats:
+    """One actor update on a rollout batch, with advantages that separate its rows; the vision tower,
+    which the batch's images and videos went through, must learn."""
+    scores = torch.arange(len(batch), dtype=torch.float32) % 3
+    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
+    before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("model.visual.")}
+    actor = build_actor(cfg, model, pad_id, torch.float32)
+    stats = actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=horizon))
+    assert stats.skipped_steps == 0
+    after = model.state_dict()
+    assert any(not torch.equal(v, after[k]) for k, v in before.items()), "the vision tower learned nothing"
+    return stats

@@ -4,59 +4,24 @@ an update, mixed in one batch with image and text-only prompts; broken videos ar
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import mixed_media_dataset, update_once
 
-from mmrl.actor import build_actor, forward_logprobs
+from mmrl.actor import forward_logprobs
 from mmrl.config import load_config
 from mmrl.models import load_policy, load_processor
-from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.synthetic import generate
 from mmrl.synthetic_video import QUESTION, generate_motion
 from mmrl.trainer import build_datasets
 
 
-def _mixed_rows(root: Path) -> Path:
-    """Image, video, image+video and text-only rows, then three rows with broken videos."""
-    generate(root / "img", task="color", n_train=2, n_val=0, seed=0, image_size=56)
-    generate_motion(root / "vid", n_train=2, n_val=0, seed=0, image_size=56)
-    image, video = "img/images/train_000000.png", "vid/videos/train_000000.mp4"
-    shutil.copy(root / "vid/videos/train_000001.mp4", root / "truncated.mp4")
-    data = (root / "truncated.mp4").read_bytes()
-    (root / "truncated.mp4").write_bytes(data[: len(data) // 3])
-    (root / "empty.mp4").write_bytes(b"")
-    rows = [
-        {"problem": "<image>What colour is the shape?", "answer": "red", "images": [image]},
-        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": [video]},
-        {
-            "problem": f"<image>colour? <video>{QUESTION}",
-            "answer": "up",
-            "images": [image],
-            "videos": [video],
-        },
-        {"problem": "How many circles?", "answer": "one"},
-        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": ["truncated.mp4"]},
-        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": ["empty.mp4"]},
-        {"problem": f"<video>{QUESTION}", "answer": "left", "videos": ["missing.mp4"]},
-    ]
-    path = root / "mixed.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.fixture
 def mixed(tmp_path, tiny_model_dir):
-    cfg = load_config(
-        "configs/quickstart_video.yaml",
-        [f"model.path={tiny_model_dir}", f"data.train_files={_mixed_rows(tmp_path)}", "data.val_files=[]"],
-    )
     processor = load_processor(tiny_model_dir)
     model = load_policy(tiny_model_dir)
-    train, _ = build_datasets(cfg, processor, model.config)
+    cfg, train = mixed_media_dataset(tmp_path, tiny_model_dir, processor, model.config)
     return cfg, model, processor, train
 
 
@@ -87,16 +52,7 @@ def test_a_mixed_batch_rolls_out_scores_and_updates(mixed) -> None:
     gap = (ours - batch["rollout_logprobs"]).abs()[mask]
     assert float(gap.max()) < 1e-4, f"trainer and engine disagree by {float(gap.max()):.2e}"
 
-    scores = torch.arange(len(batch), dtype=torch.float32) % 3
-    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    actor = build_actor(cfg, model, pad, torch.float32)
-    stats = actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=6))
-    assert stats.skipped_steps == 0
-    visual = [k for k in before if k.startswith("model.visual.")]
-    assert any(not torch.equal(before[k], model.state_dict()[k]) for k in visual), (
-        "the vision tower learned nothing"
-    )
+    update_once(cfg, model, batch, pad, horizon=6)
 
 
 def test_responses_after_a_long_video_continue_where_generation_put_them(tmp_path, tiny_model_dir) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import gc
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import BUDGET, mixed_prompts
+from helpers import BUDGET, mixed_media_dataset, mixed_prompts, update_once
 
 from mmrl.actor import Actor, forward_logprobs
 from mmrl.cli import main
@@ -20,8 +21,10 @@ from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
 from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams, make_engine, resolve_engine
+from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.synthetic import generate
+from processors import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
 
 pytestmark = [
     pytest.mark.slow,
@@ -131,6 +134,107 @@ def test_after_an_update_step_vllm_matches_hf_and_a_skipped_sync_is_caught(engin
     mask = sampled["response_mask"].bool()
     diff = (_trainer_logprobs(engine, sampled, 1.0) - sampled["rollout_logprobs"])[mask].abs()
     assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+
+
+def _vllm_positions(
+    tokens: list[int], media: list[tuple[int, str, list[int], torch.Tensor | None]], length: int
+):
+    """vLLM's own mRoPE ids (its `get_mrope_input_positions`, called as a plain function) of a prompt
+    and the `length` tokens generated after it, which vLLM places at index + the returned delta."""
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as VLLMQwen
+
+    wrap = SimpleNamespace
+    features = [
+        wrap(
+            modality=kind,
+            mm_position=wrap(offset=offset),
+            data={f"{kind}_grid_thw": wrap(data=torch.tensor(grid))}
+            | ({"second_per_grid_ts": wrap(data=seconds)} if seconds is not None else {}),
+        )
+        for offset, kind, grid, seconds in media
+    ]
+    model = wrap(config=wrap(vision_config=wrap(spatial_merge_size=2, tokens_per_second=2)))
+    model.iter_mm_grid_thw = lambda feats: VLLMQwen.iter_mm_grid_thw(model, feats)
+    prompt, delta = VLLMQwen.get_mrope_input_positions(model, tokens, features)
+    generated = torch.arange(len(tokens), len(tokens) + length) + delta
+    return torch.cat([prompt, generated.expand(3, -1)], dim=1)
+
+
+@pytest.mark.parametrize(
+    ("frames", "fps", "dtype"),
+    [
+        (16, 2.0, torch.float32),
+        (16, 2.4, torch.float32),
+        (16, 1.75, torch.bfloat16),
+        (4, 2.0, torch.bfloat16),
+    ],
+)
+def test_the_vllm_position_rule_is_vllms_own(frames: int, fps: float, dtype: torch.dtype) -> None:
+    """`PositionRule("vllm", dtype)` gives vLLM's ids for an image, a video and the response after them:
+    a long clip whose time ids outrun its grid, a time step (2 x 2 / 2.4 fps) that float32 rounds up to an
+    integer where vLLM's float64 does not, and seconds vLLM first rounds to bf16 in a bf16 engine."""
+    image, video, text = 5, 6, 1
+    t, h, w = frames // 2, 4, 4  # 2 x 2 merged tokens per temporal patch
+    seconds = torch.tensor([2 / fps])
+    tokens = [text] * 3 + [image] * 4 + [text] * 2 + [video] * (t * 4) + [text] * 4
+    media = [(3, "image", [1, h, w], None), (9, "video", [t, h, w], seconds.to(dtype))]
+    response = [text] * 5
+    ours = mrope_position_ids(
+        torch.tensor([tokens + response]),
+        torch.ones(1, len(tokens) + len(response), dtype=torch.long),
+        torch.tensor([[1, h, w]]),
+        image_token_id=image,
+        video_token_id=video,
+        spatial_merge_size=2,
+        video_grid_thw=torch.tensor([[t, h, w]]),
+        second_per_grid_ts=seconds,
+        tokens_per_second=2,
+        rules=PositionRule("vllm", dtype),
+    )[:, 0]
+    assert torch.equal(ours, _vllm_positions(tokens, media, len(response)))
+
+
+def test_video_prompts_train_at_the_positions_vllm_sampled_them_at(engine, tmp_path) -> None:
+    """Image, video, image+video and text-only prompts in one vLLM batch. Video frames go in as the
+    trainer prepared them: 28 px frames, under the engine's 56 px minimum, so a resize would change
+    the placeholder count (the engine checks the first batch with videos). Two 1x1 temporal patches
+    2 time ids apart: vLLM resumes the text at +3, transformers at +1, so only the vLLM rule that the
+    engine records matches its log-probs."""
+    processor = load_processor(engine.model.name_or_path)
+    small_frames = (
+        "data.video_min_pixels=784",
+        "data.video_max_pixels=784",
+        "data.video_max_total_pixels=3136",
+    )
+    cfg, train = mixed_media_dataset(
+        tmp_path, engine.model.name_or_path, processor, engine.model.config, small_frames
+    )
+    prompts = train.prepare_all()
+    grids = [p.video_grid_thw.tolist() if p.videos else None for p in prompts]
+    assert grids == [None, [[2, 2, 2]], [[2, 2, 2]], None]  # 28 px frames: 2 x 2 patches, 1 x 1 merged
+    engine.sync_weights()  # earlier tests may have updated the policy
+    torch.manual_seed(4)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, logprobs=True)
+    batch = engine.generate(prompts, params)
+    assert batch[POSITION_RULE] == [PositionRule("vllm", torch.float32)] * len(batch)
+    engine.model.eval()
+    mask = batch["response_mask"].bool()
+    diff = (_trainer_logprobs(engine, batch, 1.0) - batch["rollout_logprobs"])[mask].abs()
+    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}"
+    # Under transformers' layout the rows after a video disagree: the recorded rule is what matches.
+    batch.set(**{POSITION_RULE: [TRANSFORMERS_RULE] * len(batch)})
+    wrong = (_trainer_logprobs(engine, batch, 1.0) - batch["rollout_logprobs"]).abs() * mask
+    video_rows = torch.tensor([prompts[i].videos != [] for i in batch["prompt_index"]])
+    assert wrong[video_rows].max() > 1e-3 and wrong[~video_rows].max() < 1e-4
+    batch.set(**{POSITION_RULE: [engine.position_rule] * len(batch)})
+
+    update_once(cfg, engine.model, batch, engine.tokenizer.pad_token_id, horizon=params.max_new_tokens)
+    engine.model.eval()
+    engine.sync_weights()  # the updated vision tower and language model reach vLLM
+    after = engine.generate(prompts, params)
+    mask = after["response_mask"].bool()
+    diff = (_trainer_logprobs(engine, after, 1.0) - after["rollout_logprobs"])[mask].abs()
+    assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}"
 
 
 def test_an_engine_failure_names_the_step(engine, tmp_path, monkeypatch, tiny_model_dir) -> None:

@@ -8,6 +8,8 @@ from typing import Protocol
 from mmrl.batch import Batch
 from mmrl.data import PromptSample
 
+POSITION_RULE = "position_rule"  # batch list column: the `processors.PositionRule` each row was sampled under
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,7 +35,8 @@ class RolloutEngine(Protocol):
     tensors `prompt_index` (N,), `response_ids` (N, T) right-padded, `response_mask` (N, T),
     `truncated` (N,) bool (no stop token within max_new_tokens); list `response_text`; and,
     when `params.logprobs`, `rollout_logprobs` (N, T) of the sampled tokens under
-    softmax(logits / temperature).
+    softmax(logits / temperature). An engine whose mRoPE layout is not transformers' also sets
+    the list `position_rule` (`POSITION_RULE`), so training uses the positions it sampled at.
     """
 
     # True when sampled-token log-probs come at no extra cost (vLLM computes them while sampling), so the

@@ -2,10 +2,16 @@
 
 Why in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor): weight sync then hands
 vLLM the trainer's own tensors one at a time through `reload_weights`, so no second full copy of the
-model is ever built and nothing is pickled. Prompts go in as token ids with one image placeholder per
-image (vLLM expands it), and the images are the ones `processors` already sized, with the same pixel
-budget given to vLLM's processor, so its placeholder count equals the trainer's; the first batch checks
-this instead of assuming it.
+model is ever built and nothing is pickled. Prompts go in as token ids with one placeholder per image
+or video (vLLM expands it). The images are the ones `processors` already sized, with the same pixel
+budget given to vLLM's processor; videos go in as their already sampled and sized frames, with
+metadata and processor options that make vLLM neither resample nor resize them. So its placeholder
+counts equal the trainer's; the first batches with images and with videos check this instead of
+assuming it.
+
+vLLM lays out mRoPE ids after a video differently from transformers (`processors.rope`), so every
+returned row carries the engine's `PositionRule` and the trainer computes log-probs at vLLM's
+positions (`mmrl.actor._positions`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from mmrl.config import VLLMConfig
 from mmrl.data import PromptSample
 from mmrl.lora import merged_state
 from mmrl.models import never_generated_ids
-from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.base import POSITION_RULE, SamplingParams
+from processors import PositionRule, Video, keep_frames_kwargs
 
 log = logging.getLogger("mmrl.rollout.vllm")
 
@@ -56,10 +63,26 @@ def checkpoint_names(model: Any) -> Any:
         yield name, tensor
 
 
-def collapse_image_pads(ids: list[int], image_pad: int) -> list[int]:
-    """Prompt ids with each run of image placeholders cut to one: vLLM expands each to its image's
-    token count itself, and would expand an already-expanded run again."""
-    return [t for i, t in enumerate(ids) if not (t == image_pad and i and ids[i - 1] == image_pad)]
+def collapse_pads(ids: list[int], pads: tuple[int, ...]) -> list[int]:
+    """Prompt ids with each run of image (or video) placeholders cut to one: vLLM expands each to its
+    item's token count itself, and would expand an already-expanded run again."""
+    return [t for i, t in enumerate(ids) if not (t in pads and i and ids[i - 1] == t)]
+
+
+def video_item(video: Video) -> tuple[Any, dict[str, Any]]:
+    """A prepared video as vLLM takes it: its frames, and metadata saying they are every frame of a
+    clip shown at `video.fps`. vLLM's processor then samples nothing (`do_sample_frames`), and its
+    `second_per_grid_ts` (temporal patch / sampled fps) is the trainer's. Resizing is switched off
+    for videos when the engine is built."""
+    count = len(video.frames)
+    metadata = {
+        "fps": video.fps,
+        "total_num_frames": count,
+        "frames_indices": list(range(count)),
+        "duration": count / video.fps,
+        "do_sample_frames": False,
+    }
+    return video.frames, metadata
 
 
 class VLLMEngine:
@@ -88,7 +111,8 @@ class VLLMEngine:
         self.settings = settings
         self.compute_dtype = compute_dtype
         cfg = model.config
-        self.image_pad = cfg.image_token_id
+        self.pads = (cfg.image_token_id, cfg.video_token_id)
+        self.position_rule = PositionRule("vllm", compute_dtype)
         self.blocked = never_generated_ids(cfg)
         eos = model.generation_config.eos_token_id
         self.eos_ids = sorted(
@@ -113,11 +137,17 @@ class VLLMEngine:
             # The log-probs of the distribution actually sampled from (after temperature), which is
             # what the trainer's softmax(logits / T) computes.
             logprobs_mode="processed_logprobs",
-            limit_mm_per_prompt={"image": 8, "video": 0},
-            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+            limit_mm_per_prompt={"image": 8, "video": 4},
+            # The pixel budget sizes images as `processors.fit_image` did (a no-op on fitted images);
+            # video frames were sized by `processors.video_frame_size` and must stay as they are.
+            mm_processor_kwargs={
+                "min_pixels": min_pixels,
+                "max_pixels": max_pixels,
+                "videos_kwargs": keep_frames_kwargs(processor.video_processor),
+            },
         )
         self.syncs = 0
-        self._checked_placeholders = False
+        self._unchecked = {"image", "video"}  # media kinds whose placeholder expansion is still to check
         self._asleep = False
 
     # ------------------------------------------------------------------ generation
@@ -150,29 +180,36 @@ class VLLMEngine:
         return self._to_batch(prompts, outputs, params)
 
     def _request(self, prompt: PromptSample) -> dict[str, Any]:
-        if prompt.videos:
-            raise ValueError(
-                "video prompts need rollout.engine=hf for now: vLLM places the text after a video at other mRoPE "
-                "positions than transformers does (processors/rope.py), so its log-probs would not be the trainer's"
-            )
-        request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(prompt.prompt_ids, self.image_pad)}
+        request: dict[str, Any] = {"prompt_token_ids": collapse_pads(prompt.prompt_ids, self.pads)}
+        media: dict[str, Any] = {}
         if prompt.images:
-            request["multi_modal_data"] = {"image": list(prompt.images)}
+            media["image"] = list(prompt.images)
+        if prompt.videos:
+            media["video"] = [video_item(v) for v in prompt.videos]
+        if media:
+            request["multi_modal_data"] = media
         return request
 
     def _check_placeholders(self, prompts: list[PromptSample], outputs: list[Any]) -> None:
         """vLLM's expanded prompt must be the trainer's, token for token, or log-probs would be of a
-        different input; checked on the first batch (image sizing never changes afterwards)."""
-        if self._checked_placeholders:
+        different input; checked on the first batch with images and the first with videos (sizing
+        never changes afterwards)."""
+        if not self._unchecked:
             return
+        seen = set()
         for prompt, out in zip(prompts, outputs, strict=True):
+            kinds = {k for k, items in (("image", prompt.images), ("video", prompt.videos)) if items}
+            if not kinds & self._unchecked:
+                continue
+            seen |= kinds
             if list(out.prompt_token_ids) != list(prompt.prompt_ids):
                 raise RuntimeError(
                     f"vLLM expanded prompt {prompt.row_id} to {len(out.prompt_token_ids)} tokens, the trainer "
-                    f"to {len(prompt.prompt_ids)}: the image placeholder counts differ. Check that "
-                    "data.min_pixels/max_pixels match the model's processor and that images are not resized."
+                    f"to {len(prompt.prompt_ids)}: the image or video placeholder counts differ. Check that "
+                    "data.min_pixels/max_pixels match the model's processor and that images and video frames "
+                    "are not resized."
                 )
-        self._checked_placeholders = True
+        self._unchecked -= seen
 
     def _to_batch(self, prompts: list[PromptSample], outputs: list[Any], params: SamplingParams) -> Batch:
         rows = [c for out in outputs for c in out.outputs]
@@ -201,7 +238,8 @@ class VLLMEngine:
         batch.set(
             response_text=self.tokenizer.batch_decode(
                 [list(c.token_ids) for c in rows], skip_special_tokens=True
-            )
+            ),
+            **{POSITION_RULE: [self.position_rule] * len(rows)},
         )
         return batch
 
