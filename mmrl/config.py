@@ -371,7 +371,7 @@ class TrainerConfig(_Section):
 
 class Config(_Section):
     model: ModelConfig
-    data: DataConfig
+    data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()

@@ -1,0 +1,69 @@
+"""An env worker killed mid-episode during a VLA training step: it is replaced, its episodes are
+re-collected from where they were (seed + action replay), and the step completes with the same
+episodes and the same update as an undisturbed run (real Ray, real MuJoCo, a real tiny Qwen2.5-VL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from mmrl.config import load_config
+from mmrl.vla.trainer import EpisodeTrainer
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+
+def _trainer(tmp_path, model_dir, name: str) -> EpisodeTrainer:
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "env.task=reach",
+            "env.options={image_size: 56, max_steps: 6}",
+            "env.num_workers=2",
+            "env.timeout_s=20",
+            "env.val_episodes=0",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            "data.train_batch_size=2",
+            "actor.mini_batch_size=2",
+            "rollout.engine=hf",
+            "rollout.n=2",
+            "trainer.total_steps=1",
+            f"trainer.output_dir={tmp_path / name}",
+            "trainer.loggers=[jsonl]",
+            "trainer.progress=false",
+        ],
+    )
+    return EpisodeTrainer(cfg)
+
+
+def test_a_killed_env_worker_is_replaced_and_the_training_step_completes_unchanged(
+    local_ray, tmp_path, tiny_model_dir
+) -> None:
+    clean = _trainer(tmp_path, tiny_model_dir, "clean")
+    clean.step = 1
+    expected = clean.train_step()
+    clean.envs.close()
+
+    trainer = _trainer(tmp_path, tiny_model_dir, "faulty")
+    pool, calls = trainer.envs, []
+    step = pool.step
+
+    def step_and_kill_at_the_third_call(actions):
+        calls.append(1)
+        if len(calls) == 3:  # mid-episode: two env steps taken, the episodes still running
+            os.kill(pool.pids()[1], signal.SIGKILL)
+        return step(actions)
+
+    pool.step = step_and_kill_at_the_third_call
+    trainer.step = 1
+    got = trainer.train_step()
+    trainer.envs.close()
+
+    assert got["env/restarts"] == 1 and expected["env/restarts"] == 0
+    assert got["actor/updates"] == 1
+    for key in ("episode/return", "episode/episode_length", "reward/mean", "actor/pg_loss", "actor/entropy"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-6), key

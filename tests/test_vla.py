@@ -1,0 +1,200 @@
+"""The VLA loop's parts on a real tiny Qwen2.5-VL and real MuJoCo envs: prompts from frames, lockstep
+episodes, trajectory-level advantages (hand-computed), demo targets, GIFs, configs and the trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from envs import make_env
+from envs.actions import ActionStats, ActionTokenizer
+from envs.experts import collect_demos
+from envs.vector import LocalEnvs
+from mmrl.algorithms import get_advantage_estimator
+from mmrl.batch import Batch
+from mmrl.config import ConfigError, load_config
+from mmrl.models import load_policy, load_processor
+from mmrl.rollout import SamplingParams
+from mmrl.rollout.hf import HFEngine
+from mmrl.vla.episodes import run_episodes
+from mmrl.vla.media import episodes_gif
+from mmrl.vla.observations import ObservationPrompts
+from mmrl.vla.sft import demo_steps
+from mmrl.vla.trainer import EpisodeTrainer, episode_advantages, train_seeds
+from processors import PixelBudget
+
+BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    return load_policy(tiny_model_dir, torch.float32, "cpu").eval(), load_processor(tiny_model_dir)
+
+
+def test_observation_prompts_carry_one_frame_each_with_matching_placeholders(policy) -> None:
+    _, processor = policy
+    prompts = ObservationPrompts(processor, BUDGET)
+    frames = [np.full((64, 64, 3), c, dtype=np.uint8) for c in (0, 255)]
+    samples = prompts([{"image": f, "instruction": "touch the red ball"} for f in frames], row_ids=[7, 9])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for sample, row in zip(samples, [7, 9], strict=True):
+        assert sample.row_id == row and sample.images[0].size == (56, 56)
+        assert sample.image_grid_thw.tolist() == [[1, 4, 4]]  # 56 px / 14 px patches
+        assert len(sample.pixel_values) == 16
+        assert sample.prompt_ids.count(pad) == 4  # 16 patches merged 2x2
+    assert not torch.equal(samples[0].pixel_values, samples[1].pixel_values)
+    with pytest.raises(ValueError, match="one <image> marker"):
+        ObservationPrompts(processor, BUDGET, "{instruction}")
+
+
+def test_episodes_run_in_lockstep_and_each_decision_earns_its_episode_return(policy) -> None:
+    model, processor = policy
+    vocab = model.config.text_config.vocab_size
+    # Every id is an action token, so a random-init model always emits valid actions.
+    tokenizer = ActionTokenizer(action_dim=2, start_id=0, n_bins=vocab)
+    envs = LocalEnvs("reach", 4, {"image_size": 56, "max_steps": 6})
+    torch.manual_seed(0)
+    seeds = [11, 11, 12, 12]
+    episodes = run_episodes(
+        HFEngine(model, processor), envs, ObservationPrompts(processor, BUDGET), tokenizer, seeds[:3],
+        SamplingParams(temperature=1.0), group_size=2, record=2,
+    )  # fmt: skip
+    batch = episodes.batch
+    assert len(batch) == int(episodes.lengths.sum()) and episodes.lengths.max() <= 6
+    assert batch["group_index"].tolist() == [e // 2 for e in batch["episode_index"].tolist()]
+    assert torch.equal(batch["scores"], episodes.returns[batch["episode_index"]])
+    assert batch["response_mask"].sum(dim=1).eq(2).all() and not batch["truncated"].any()
+    assert len(batch.prompts) == len(batch)  # a frame per decision
+    assert [len(f) for f in episodes.frames] == (episodes.lengths[:2] + 1).tolist()  # reset frame + steps
+    assert episodes.invalid == {}
+
+
+def test_malformed_actions_are_counted_penalised_and_applied_as_zero(policy) -> None:
+    model, processor = policy
+    # Bins that the untrained model practically never emits: almost every decision is invalid.
+    tokenizer = ActionTokenizer(action_dim=2, start_id=0, n_bins=2)
+    envs = LocalEnvs("reach", 2, {"image_size": 56, "max_steps": 5})
+    episodes = run_episodes(
+        HFEngine(model, processor), envs, ObservationPrompts(processor, BUDGET), tokenizer, [3, 4],
+        SamplingParams(temperature=1.0), invalid_penalty=0.5,
+    )  # fmt: skip
+    bad = episodes.invalid.get("out_of_range", 0)
+    assert bad >= 8
+    # Reach pays nothing unless the arm touches the target, so the returns are the penalties alone.
+    assert episodes.returns.sum().item() == pytest.approx(-0.5 * bad + episodes.success.sum().item())
+    # The zero action does not move the arm: the frames of an invalid-only episode never change.
+    with make_env("reach", image_size=56) as still:
+        first = still.reset(seed=3)[0]["image"]
+        after = still.step(np.zeros(2))[0]["image"]
+    assert np.array_equal(first, after)
+
+
+def test_trajectory_grpo_normalises_over_episodes_not_decisions() -> None:
+    # Two groups of two episodes. Group 0: returns 1 (1 decision) and 0 (3 decisions); group 1: 1 and 1.
+    episode = torch.tensor([0, 1, 1, 1, 2, 2, 3, 3])
+    returns = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    batch = Batch(
+        tensors={
+            "episode_index": episode,
+            "group_index": episode // 2,
+            "scores": returns[episode],
+            "response_mask": torch.tensor([[1, 1]] * 8),
+        }
+    )
+    advantages, _ = episode_advantages(get_advantage_estimator("grpo"), batch, norm_adv_by_std=True)
+    # Per group over episodes: mean 0.5, unbiased std sqrt(0.5), so A = ±0.5 / sqrt(0.5) = ±0.7071.
+    # Over decisions instead, group 0 would have mean 0.25 and different values.
+    a = 0.5 / math.sqrt(0.5)
+    expected = torch.tensor([a, -a, -a, -a, 0.0, 0.0, 0.0, 0.0])[:, None].expand(8, 2)
+    assert torch.allclose(advantages, expected, atol=1e-5)
+
+
+def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:
+    demos = collect_demos("reach", 2, seed=0, image_size=56, max_steps=5)
+    stats = ActionStats.from_demos([d.actions for d in demos])
+    tokenizer = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2, stats=stats)
+    steps = demo_steps(demos, tokenizer)
+    assert len(steps) == sum(math.ceil(len(d.actions) / 2) for d in demos)
+    demo, t, ids = steps[0]
+    assert t == 0 and ids == tokenizer.encode(demo.actions[:2])
+    last = [s for s in steps if s[0] is demos[0]][-1]
+    if len(demos[0].actions) % 2:  # an odd episode ends mid-chunk: the last action fills the chunk
+        assert last[2][:2] == last[2][2:]
+    restored = ActionTokenizer.from_dict(json.loads(json.dumps(tokenizer.to_dict())))
+    assert restored.decode(ids).tolist() == tokenizer.decode(ids).tolist()
+
+
+def test_episode_gif_holds_every_step_and_frames_ended_episodes(tmp_path) -> None:
+    frames = [[np.full((8, 8, 3), 10 * t, np.uint8) for t in range(n)] for n in (3, 5)]
+    path = episodes_gif(frames, [True, False], tmp_path / "ep.gif", scale=1)
+    gif = Image.open(path)
+    assert gif.n_frames == 5 and gif.size == (2 * 14, 14)
+    gif.seek(4)
+    rgb = np.asarray(gif.convert("RGB"))
+    assert tuple(rgb[0, 0]) == (40, 200, 60) and tuple(rgb[0, 14]) == (220, 40, 40)  # green ok, red failed
+
+
+def test_training_seeds_repeat_for_a_step_and_stay_below_the_evaluation_seeds() -> None:
+    assert train_seeds(1, 5, 8, 1000) == train_seeds(1, 5, 8, 1000)
+    assert train_seeds(1, 5, 8, 1000) != train_seeds(1, 6, 8, 1000)
+    assert max(train_seeds(1, 5, 64, 1000)) < 1000
+
+
+def _cfg(tmp_path, model_dir, *overrides):
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "env.task=reach",
+            "env.options={image_size: 56, max_steps: 4}",
+            "env.val_episodes=3",
+            "env.media_episodes=2",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            "data.train_batch_size=2",
+            "actor.mini_batch_size=2",
+            "rollout.engine=hf",
+            "rollout.n=2",
+            "trainer.total_steps=2",
+            "trainer.val_every=2",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.loggers=[jsonl]",
+            "trainer.progress=false",
+            *overrides,
+        ],
+    )
+
+
+def test_env_configs_refuse_what_episodes_cannot_use(tmp_path, tiny_model_dir) -> None:
+    with pytest.raises(ConfigError, match=r"data\.train_files is required"):
+        load_config(None, [f"model.path={tiny_model_dir}"])
+    with pytest.raises(ConfigError, match=r"warmup.steps > 0.*mmrl sft"):
+        _cfg(tmp_path, tiny_model_dir, "warmup.steps=5")
+    with pytest.raises(ConfigError, match="gae or remax"):
+        _cfg(tmp_path, tiny_model_dir, "algorithm.adv_estimator=remax")
+
+
+def test_episode_trainer_trains_validates_and_checkpoints_the_action_tokenizer(
+    tmp_path, tiny_model_dir
+) -> None:
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    trainer = EpisodeTrainer(cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert {"episode/success", "episode/episode_length", "reward/mean", "val/success"} <= records[-1].keys()
+    assert records[-1]["actor/updates"] == 1
+    moved = max((trainer.model.state_dict()[k] - v).abs().max().item() for k, v in before.items())
+    assert moved > 0
+    assert sorted(p.name for p in (tmp_path / "run" / "media").iterdir()) == [
+        "step_000000.gif",
+        "step_000002.gif",
+    ]
+    saved = tmp_path / "run" / "checkpoints" / "step_00000002" / "model" / "action_tokenizer.json"
+    assert json.loads(saved.read_text())["action_dim"] == 2
