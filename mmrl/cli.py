@@ -21,6 +21,11 @@ def _preflight(cfg: Config) -> None:
     (the processor is loaded first), and a missing data file only after the model has loaded.
     """
     model = Path(cfg.model.path)
+    if not (model / "config.json").exists() and cfg.sft is not None:
+        raise FileNotFoundError(
+            f"model.path: no model at {model}; this config starts from behaviour cloning, so run "
+            "`mmrl sft` with it first (it writes model.path)"
+        )
     if not (model / "config.json").exists():
         raise FileNotFoundError(
             f"model.path: no model checkpoint at {model} (config.json missing). Build a tiny one with "
@@ -149,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.set_defaults(func=_train)
 
-    ev = sub.add_parser("eval", help="score a checkpoint on data.val_files: greedy accuracy or pass@k")
+    ev = sub.add_parser(
+        "eval",
+        help="score a checkpoint on data.val_files (accuracy, pass@k), or an env config's success rate",
+    )
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*", help="e.g. data.val_files=test.parquet")
     ev.add_argument(

@@ -198,3 +198,30 @@ def test_episode_trainer_trains_validates_and_checkpoints_the_action_tokenizer(
     ]
     saved = tmp_path / "run" / "checkpoints" / "step_00000002" / "model" / "action_tokenizer.json"
     assert json.loads(saved.read_text())["action_dim"] == 2
+
+
+def test_cli_sft_writes_a_policy_that_eval_and_train_start_from(tmp_path, tiny_model_dir, capsys) -> None:
+    from mmrl.cli import main
+
+    common = [
+        f"model.path={tmp_path / 'sft'}",
+        f"sft.base_model={tiny_model_dir}",
+        "sft.demos=3",
+        "sft.steps=2",
+        "sft.batch_size=8",
+        "env.options={image_size: 56, max_steps: 4}",
+        "env.val_episodes=3",
+    ]
+    config = "configs/vla_mujoco_reach.yaml"
+    assert main(["train", config, *common]) == 2  # no policy yet: the error names `mmrl sft`
+    assert "run `mmrl sft`" in capsys.readouterr().err
+    assert main(["sft", config, *common]) == 0
+    tokenizer = json.loads((tmp_path / "sft" / "action_tokenizer.json").read_text())
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    assert tokenizer["n_bins"] == 256 and tokenizer["start_id"] == vocab - 256  # OpenVLA: the last ids
+    assert json.loads((tmp_path / "sft" / "sft_report.json").read_text())["demos"] == 3
+    out = tmp_path / "eval.json"
+    assert main(["eval", config, *common, "--checkpoint", str(tmp_path / "sft"), "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    assert metrics["eval/episodes"] == 3 and 0.0 <= metrics["eval/success"] <= 1.0
+    assert out.with_suffix(".gif").exists()

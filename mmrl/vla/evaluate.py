@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from mmrl.config import Config, ConfigError
 from mmrl.evaluate import EvalResult, load_for_eval
 from mmrl.rollout import SamplingParams
@@ -38,6 +40,7 @@ def evaluate_episodes(
         )
     v = cfg.rollout.val
     envs = make_envs(cfg, count)
+    torch.manual_seed(cfg.trainer.seed)  # as the trainer's validation does
     try:
         result = run_episodes(
             engine,

@@ -19,7 +19,7 @@ from mmrl.algorithms import informative_groups
 from mmrl.batch import Batch
 from mmrl.optim import plan_minibatches
 from mmrl.rollout import SamplingParams
-from mmrl.trainer import Trainer, _Timer
+from mmrl.trainer import Trainer, _rng_devices, _Timer
 from mmrl.vla.episodes import Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
@@ -148,35 +148,43 @@ class EpisodeTrainer(Trainer):
         return batch, metrics
 
     def advantages(self, batch: Batch, metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The estimator over episodes (one return each, grouped by initial state), then each
-        decision takes its episode's advantage on every action token."""
-        episodes, first = _first_rows(batch["episode_index"])
-        returns = batch["scores"][first][:, None]
-        advantages, targets = self.advantage(
-            returns,
-            torch.ones_like(returns),
-            batch["group_index"][first],
-            norm_adv_by_std=self.cfg.algorithm.norm_adv_by_std,
-            gamma=self.cfg.algorithm.gamma,
-            lam=self.cfg.algorithm.lam,
+        a = self.cfg.algorithm
+        return episode_advantages(
+            self.advantage, batch, norm_adv_by_std=a.norm_adv_by_std, gamma=a.gamma, lam=a.lam
         )
-        mask = batch["response_mask"].float()
-        return advantages[episodes] * mask, targets[episodes] * mask
 
     def validate(self) -> dict[str, Any]:
-        """Success over the fixed evaluation seeds, and a GIF of the first `env.media_episodes`."""
+        """Success over the fixed evaluation seeds, and a GIF of the first `env.media_episodes`.
+
+        Sampled validation (`rollout.val.temperature > 0`) draws from its own seeded stream, so it
+        leaves the training run's RNG alone and `mmrl eval` of the checkpoint reproduces it."""
         env, v = self.cfg.env, self.cfg.rollout.val
         if not env.val_episodes:
             return {}
         params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
         seeds = list(range(env.val_seed, env.val_seed + env.val_episodes))
-        episodes = self.episodes(seeds, params, record=env.media_episodes)
+        with torch.random.fork_rng(devices=_rng_devices()):  # the same draws at every validation
+            torch.manual_seed(self.cfg.trainer.seed)
+            episodes = self.episodes(seeds, params, record=env.media_episodes)
         metrics = episodes.metrics("val")
         metrics["val/accuracy"] = metrics["val/success"]
         if episodes.frames:
             shown = episodes.success[: len(episodes.frames)].tolist()
             episodes_gif(episodes.frames, shown, self.run_dir / "media" / f"step_{self.step:06d}.gif")
         return metrics
+
+
+def episode_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trajectory-level advantages: `estimator` (a registry entry) over episodes, one return each and
+    grouped by initial state, then each decision takes its episode's value on every action token.
+
+    Normalising over episodes rather than decisions keeps a long failed episode from outweighing a
+    short successful one in its group's mean and std."""
+    position, first = _first_rows(batch["episode_index"])
+    returns = batch["scores"][first][:, None]
+    advantages, targets = estimator(returns, torch.ones_like(returns), batch["group_index"][first], **options)
+    mask = batch["response_mask"].float()
+    return advantages[position] * mask, targets[position] * mask
 
 
 def _first_rows(episode_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
