@@ -103,3 +103,25 @@ def update_once(cfg: Config, model: Any, batch: Batch, pad_id: int, horizon: int
     after = model.state_dict()
     assert any(not torch.equal(v, after[k]) for k, v in before.items()), "the vision tower learned nothing"
     return stats
+
+
+def tiny_vla_config(model_dir: Path, output_dir: Path, *overrides: str) -> Config:
+    """A minimal episode-training run on reach: 2 initial states x 2 episodes of at most 4 steps."""
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "env.task=reach",
+            "env.options={image_size: 56, max_steps: 4}",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            "data.train_batch_size=2",
+            "actor.mini_batch_size=2",
+            "rollout.engine=hf",
+            "rollout.n=2",
+            f"trainer.output_dir={output_dir}",
+            "trainer.loggers=[jsonl]",
+            "trainer.progress=false",
+            *overrides,
+        ],
+    )

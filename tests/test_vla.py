@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_vla_config
 from PIL import Image
 
 from envs import make_env
@@ -146,27 +147,14 @@ def test_training_seeds_repeat_for_a_step_and_stay_below_the_evaluation_seeds() 
 
 
 def _cfg(tmp_path, model_dir, *overrides):
-    return load_config(
-        None,
-        [
-            f"model.path={model_dir}",
-            "env.task=reach",
-            "env.options={image_size: 56, max_steps: 4}",
-            "env.val_episodes=3",
-            "env.media_episodes=2",
-            "data.min_pixels=3136",
-            "data.max_pixels=3136",
-            "data.train_batch_size=2",
-            "actor.mini_batch_size=2",
-            "rollout.engine=hf",
-            "rollout.n=2",
-            "trainer.total_steps=2",
-            "trainer.val_every=2",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "trainer.loggers=[jsonl]",
-            "trainer.progress=false",
-            *overrides,
-        ],
+    return tiny_vla_config(
+        model_dir,
+        tmp_path / "run",
+        "env.val_episodes=3",
+        "env.media_episodes=2",
+        "trainer.total_steps=2",
+        "trainer.val_every=2",
+        *overrides,
     )
 
 

@@ -8,34 +8,22 @@ import os
 import signal
 
 import pytest
+from helpers import tiny_vla_config
 
-from mmrl.config import load_config
 from mmrl.vla.trainer import EpisodeTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 def _trainer(tmp_path, model_dir, name: str) -> EpisodeTrainer:
-    cfg = load_config(
-        None,
-        [
-            f"model.path={model_dir}",
-            "env.task=reach",
-            "env.options={image_size: 56, max_steps: 6}",
-            "env.num_workers=2",
-            "env.timeout_s=20",
-            "env.val_episodes=0",
-            "data.min_pixels=3136",
-            "data.max_pixels=3136",
-            "data.train_batch_size=2",
-            "actor.mini_batch_size=2",
-            "rollout.engine=hf",
-            "rollout.n=2",
-            "trainer.total_steps=1",
-            f"trainer.output_dir={tmp_path / name}",
-            "trainer.loggers=[jsonl]",
-            "trainer.progress=false",
-        ],
+    cfg = tiny_vla_config(
+        model_dir,
+        tmp_path / name,
+        "env.options={image_size: 56, max_steps: 6}",
+        "env.num_workers=2",
+        "env.timeout_s=20",
+        "env.val_episodes=0",
+        "trainer.total_steps=1",
     )
     return EpisodeTrainer(cfg)
 
