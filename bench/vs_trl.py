@@ -3,8 +3,12 @@
 Both systems train the same tiny random-init Qwen2.5-VL (after one shared format warm-up, so the
 answer reward is not all zero) on the same 112x112 colour images, in the same order, with the same
 prompt tokens, the same `answer_match` reward, the same batch (prompts x n), the same completion
-budget, AdamW at the same constant learning rate, clip 0.2, no KL and no entropy bonus, and the same
-number of optimizer steps (one per batch). Runs alternate mmrl, TRL, mmrl, TRL, ... and each run is
+budget, the same sampling (temperature 1, no top-p/top-k, the four vision placeholder tokens never
+sampled), AdamW at the same constant learning rate, clip 0.2, no KL and no entropy bonus, and the same
+number of optimizer steps (one per batch). `--seed` seeds the warm-up and both systems, but they draw
+their samples differently, so one seed does not give both the same completions: compare learning
+over several seeds. `--check-update` takes sampling out: TRL replays mmrl's completions for `--steps`
+steps and the script compares their gradients. Runs alternate mmrl, TRL, mmrl, TRL, ... and each run is
 its own subprocess, so peak RSS (the child's own VmHWM) is per system. Medians over repeats; step
 times skip each run's first step. On a shared 2-core machine pass `--threads 1`: two torch threads
 per run next to other jobs' threads can stall steps 50-100x and wreck the medians.
@@ -19,6 +23,8 @@ Then:
 
     bench/.venv/bin/python bench/vs_trl.py --batch 8 --n 4 --max-new-tokens 8 --steps 10 \
         --repeats 3 --out bench/results/vs_trl.json
+    bench/.venv/bin/python bench/vs_trl.py --batch 32 --n 8 --steps 100 --repeats 1 --seed 2  # learning
+    bench/.venv/bin/python bench/vs_trl.py --check-update --batch 32 --n 8 --steps 3
 """
 
 from __future__ import annotations
@@ -61,11 +67,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs per system")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=40, help="shared format warm-up before RL")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seeds the shared warm-up and both systems")
+    p.add_argument("--window", type=int, default=20, help="steps per window of the printed trajectories")
+    p.add_argument(
+        "--check-update",
+        action="store_true",
+        help="instead of timing: run --steps mmrl steps, replay its completions through TRL, compare gradients",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--workdir", type=Path, default=None, help="reuse a folder (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    p.add_argument("--role", choices=("parent", *SYSTEMS), default="parent", help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("parent", *SYSTEMS, "replay"), default="parent", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -145,6 +157,8 @@ def run_mmrl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {
         "step_s": [r["timing/step"] for r in records],
         "reward": [r["reward/mean"] for r in records],
+        "entropy": [r["actor/entropy"] for r in records],
+        "response_length": [r["response_length/mean"] for r in records],
         "phases_s": {k: median(v) for k, v in phases.items()},
         "train_wall_s": wall,
     }
@@ -189,6 +203,7 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from mmrl.models import never_generated_ids
     from processors.chat import build_messages, encode_prompt
 
     start = root / "start-model"
@@ -217,6 +232,9 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         num_iterations=1,
         max_completion_length=args.max_new_tokens,
         temperature=1.0,
+        # mmrl's engines never sample any vision placeholder (image, video, vision start/end); TRL by
+        # default suppresses only the image token.
+        generation_kwargs={"suppress_tokens": never_generated_ids(model.config)},
         learning_rate=args.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -280,7 +298,7 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    history = [h for h in trainer.state.log_history if "reward" in h]
     phases: dict[str, list[float]] = defaultdict(list)
     for s, p in zip(timer.step_s[1:], clock.steps[1:], strict=True):
         prep = p.get("rollout_and_scoring", 0.0)
@@ -296,7 +314,9 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     )
     return {
         "step_s": timer.step_s,
-        "reward": rewards,
+        "reward": [h["reward"] for h in history],
+        "entropy": [h["entropy"] for h in history],
+        "response_length": [h["completions/mean_length"] for h in history],
         "phases_s": {k: median(v) for k, v in phases.items()},
         "train_wall_s": wall,
         "prompt_tokens": len(seen.get("prompt_ids", [])),
@@ -304,14 +324,131 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ same completions, both systems (child)
+def check_update(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """mmrl runs `--steps` steps and records its completions; TRL then runs as many steps replaying them
+    (its `_generate_single_turn` returns mmrl's token ids). With sampling taken out, what is left to
+    differ is the update itself: rewards, advantages, loss, gradient, clipping, AdamW.
+
+    Both call `torch.nn.utils.clip_grad_norm_` (pre-clip norm recorded) and an optimizer step (the
+    clipped gradient of every parameter recorded just before it)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from trl import GRPOTrainer
+
+    from mmrl.models import never_generated_ids
+    from mmrl.rollout.hf import HFEngine
+
+    record: dict[str, dict[str, list]] = {s: {"norm": [], "grads": []} for s in SYSTEMS}
+    live: dict[str, Any] = {"system": "mmrl", "model": None}
+    load = Qwen2_5_VLForConditionalGeneration.from_pretrained.__func__
+
+    def from_pretrained(cls: type, *a: Any, **k: Any) -> Any:
+        live["model"] = load(cls, *a, **k)  # both systems load the policy through this
+        return live["model"]
+
+    Qwen2_5_VLForConditionalGeneration.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign]
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clip_and_record(params: Any, *a: Any, **k: Any) -> torch.Tensor:
+        norm = clip(params, *a, **k)
+        record[live["system"]]["norm"].append(float(norm))
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clip_and_record
+
+    def grads_before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        names = {id(p): n for n, p in live["model"].named_parameters()}
+        record[live["system"]]["grads"].append(
+            {
+                names[id(p)]: p.grad.clone()
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            }
+        )
+
+    register_optimizer_step_pre_hook(grads_before_step)
+    completions: list[list[list[int]]] = []
+    generate = HFEngine.generate
+
+    def generate_and_record(self: Any, prompts: list, params: Any) -> Any:
+        batch = generate(self, prompts, params)
+        rows = zip(batch["response_ids"], batch["response_mask"], strict=True)
+        completions.append([r[m.bool()].tolist() for r, m in rows])
+        return batch
+
+    HFEngine.generate = generate_and_record  # type: ignore[method-assign]
+    rewards = {"mmrl": run_mmrl(args, root)["reward"]}
+    after = {"mmrl": {n: p.detach().clone() for n, p in live["model"].named_parameters()}}
+
+    def replay(self: Any, prompt_ids: list, *_: Any, **__: Any) -> tuple[list[list[int]], None]:
+        out = completions[self.state.global_step]
+        assert len(out) == len(prompt_ids), "TRL's batch is not mmrl's"
+        return out, None
+
+    GRPOTrainer._generate_single_turn = replay  # type: ignore[method-assign]
+    live["system"] = "trl"
+    rewards["trl"] = run_trl(args, root)["reward"]
+    after["trl"] = {n: p.detach().clone() for n, p in live["model"].named_parameters()}
+
+    steps = []
+    for i in range(args.steps):
+        gm, gt = record["mmrl"]["grads"][i], record["trl"]["grads"][i]
+        names = sorted(set(gm) & set(gt))
+        flat_m = torch.cat([gm[n].flatten() for n in names])
+        flat_t = torch.cat([gt[n].flatten() for n in names])
+        cosines = [
+            float(torch.nn.functional.cosine_similarity(gm[n].flatten(), gt[n].flatten(), dim=0))
+            for n in names
+        ]
+        steps.append(
+            {
+                "reward": (rewards["mmrl"][i], rewards["trl"][i]),
+                "grad_norm_before_clip": (record["mmrl"]["norm"][i], record["trl"]["norm"][i]),
+                "grad_rel_diff": float((flat_m - flat_t).norm() / flat_t.norm()),
+                "min_tensor_cosine": min(cosines),
+                "params_with_grad_on_one_side": sorted(set(gm) ^ set(gt)),
+            }
+        )
+    embed = "model.language_model.embed_tokens.weight"
+    delta = {n: (after["mmrl"][n] - after["trl"][n]).abs() for n in after["mmrl"]}
+    blocked = never_generated_ids(live["model"].config)
+    return {
+        "steps": steps,
+        "max_param_diff": max(float(d.max()) for d in delta.values()),
+        "max_param_diff_outside_blocked_rows": max(
+            float((d if n != embed else d[[r for r in range(len(d)) if r not in blocked]]).max())
+            for n, d in delta.items()
+        ),
+        "blocked_token_ids": blocked,
+    }
+
+
+def print_check(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    print(f"\nsame completions through both ({args.batch} prompts x n={args.n}, seed {args.seed}):")
+    for i, s in enumerate(result["steps"]):
+        print(
+            f"  step {i + 1}: reward mmrl {s['reward'][0]:.4f} TRL {s['reward'][1]:.4f}; "
+            f"grad norm before clipping mmrl {s['grad_norm_before_clip'][0]:.6f} "
+            f"TRL {s['grad_norm_before_clip'][1]:.6f}; gradient relative difference {s['grad_rel_diff']:.1e}, "
+            f"lowest per-tensor cosine {s['min_tensor_cosine']:.6f}"
+        )
+        if s["params_with_grad_on_one_side"]:
+            print(f"    gradient on one side only: {s['params_with_grad_on_one_side']}")
+    print(
+        f"  largest parameter difference after {args.steps} steps: {result['max_param_diff']:.1e} "
+        f"({result['max_param_diff_outside_blocked_rows']:.1e} outside the embedding rows of the "
+        f"placeholder tokens {result['blocked_token_ids']}, which mmrl's loss leaves out of the softmax)"
+    )
+
+
 def child(args: argparse.Namespace) -> int:
     """One system's run; writes its result (with its own peak RSS) as JSON."""
     root = args.workdir
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    result = run_mmrl(args, root) if args.role == "mmrl" else run_trl(args, root)
+    run = {"mmrl": run_mmrl, "trl": run_trl, "replay": check_update}[args.role]
+    result = run(args, root)
     result["peak_rss_gb"] = peak_rss_gb()
     args.result.write_text(json.dumps(result))
     return 0
@@ -434,13 +571,56 @@ def print_table(args: argparse.Namespace, summary: dict[str, Any], runs: dict[st
     if max(abs(g) for g in gain.values()) < noise:
         print(f"  {text}; both within noise (+-{noise:.3f}): too few steps to compare learning")
     elif abs(gain["mmrl"] - gain["trl"]) > noise:
-        print(f"  NOTE: {text}; the systems did not learn comparably (noise +-{noise:.3f})")
+        # Only the sampling noise of the step means: runs with different seeds vary far more (one
+        # seed may stay at chance for 100 steps while another reaches 0.7), so compare several seeds.
+        print(
+            f"  NOTE: {text}; differ by more than the sampling noise (+-{noise:.3f}); "
+            "one seed cannot tell a systematic gap from seed luck"
+        )
     else:
         print(f"  {text}; comparable (noise +-{noise:.3f})")
 
 
+def windows(values: list[float], size: int) -> list[float]:
+    """Means of consecutive `size`-step windows (the last one may be shorter)."""
+    return [sum(values[i : i + size]) / len(values[i : i + size]) for i in range(0, len(values), size)]
+
+
+def print_trajectories(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Each run's mean reward, entropy and response length per window of steps: how it learned."""
+    size = max(1, min(args.window, args.steps))
+    bounds = [f"{i + 1}-{min(i + size, args.steps)}" for i in range(0, args.steps, size)]
+    print(f"\nper-run means over steps {' / '.join(bounds)} (seed {args.seed}):")
+    for system in SYSTEMS:
+        for i, run in enumerate(runs[system]):
+            for key in ("reward", "entropy", "response_length"):
+                values = " / ".join(f"{v:.3f}" for v in windows(run[key], size))
+                print(f"  {system} run {i + 1} {key}: {values}")
+
+
 def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     prepare(args, root)
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "batch",
+            "n",
+            "max_new_tokens",
+            "image_size",
+            "steps",
+            "repeats",
+            "lr",
+            "warmup_steps",
+            "seed",
+            "threads",
+            "window",
+            "check_update",
+        )
+    }
+    if args.check_update:
+        check = launch(args, "replay", root, 0)
+        print_check(args, check)
+        return {"config": config, "check_update": check, "machine": machine()}
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for i in range(args.repeats):
         for system in SYSTEMS:
@@ -453,22 +633,9 @@ def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             )
     summary = summarise(args, runs)
     print_table(args, summary, runs)
+    print_trajectories(args, runs)
     return {
-        "config": {
-            k: getattr(args, k)
-            for k in (
-                "batch",
-                "n",
-                "max_new_tokens",
-                "image_size",
-                "steps",
-                "repeats",
-                "lr",
-                "warmup_steps",
-                "seed",
-                "threads",
-            )
-        },
+        "config": config,
         "summary": summary,
         "runs": runs,
         "machine": machine(),
@@ -477,6 +644,10 @@ def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:  # the parent's format warm-up too
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.role != "parent":
         return child(args)
     result = run_in_workspace(args.workdir, "mmrl-vs-trl-", lambda folder: parent(args, folder))
