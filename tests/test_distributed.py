@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from helpers import tiny_vla_config
 from ray.cluster_utils import Cluster
 
 from mmrl import checkpoint as ckpt
@@ -22,11 +23,12 @@ from mmrl.config import load_config
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.logger import read_metrics
 from mmrl.lora import apply_lora, gather_shards, load_with_adapter
-from mmrl.models import load_policy, load_processor
+from mmrl.models import SHARDED_MARKER, load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import vllm_available
 from mmrl.synthetic import generate
 from mmrl.trainer import Trainer, build_datasets
+from mmrl.vla.trainer import EpisodeTrainer
 from mmrl.workers.group import PolicyGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -296,3 +298,22 @@ def test_lora_workers_generate_with_vllm_fed_whole_weights_from_their_shards(
     assert [r["step"] for r in steps] == [1, 2, 3]
     gaps = [r["actor/rollout_logprob_diff"] for r in steps]
     assert max(gaps) < 1e-3, f"vLLM sampled from other weights than the trainer holds: {gaps}"
+
+
+def test_episode_training_runs_on_two_fsdp_workers(local_ray, tmp_path, tiny_model_dir) -> None:
+    """VLA episodes with the policy sharded over two Ray workers: the controller steps the envs and
+    the workers generate every decision and update; the checkpoint carries the action tokenizer."""
+    cfg = tiny_vla_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        "trainer.n_gpus_per_node=2",
+        "env.val_episodes=2",
+        "env.media_episodes=1",
+        "trainer.total_steps=1",
+        "trainer.val_every=1",
+    )
+    EpisodeTrainer(cfg).fit()
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["actor/updates"] == 1 and "val/success" in record and record["episode/episode_length"] > 0
+    model = tmp_path / "run" / "checkpoints" / "step_00000001" / "model"
+    assert (model / SHARDED_MARKER).exists() and (model / "action_tokenizer.json").exists()
