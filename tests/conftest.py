@@ -38,6 +38,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 LONG_MODULES = (
     "test_learning.py",
     "test_learning_recipes.py",
+    "test_vla_learning.py",
     "test_custom_reward_learning.py",
     "test_distributed.py",
     "test_geo_recipe.py",
