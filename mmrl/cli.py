@@ -42,12 +42,13 @@ def _preflight(cfg: Config) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mmrl.trainer import Trainer
-    from mmrl.vla.trainer import EpisodeTrainer
-
     cfg = load_config(args.config, args.overrides)
     _preflight(cfg)
-    (Trainer if cfg.env is None else EpisodeTrainer)(cfg, resume=args.resume).fit()
+    if cfg.env is None:
+        from mmrl.trainer import Trainer
+    else:
+        from mmrl.vla.trainer import EpisodeTrainer as Trainer
+    Trainer(cfg, resume=args.resume).fit()
     return 0
 
 

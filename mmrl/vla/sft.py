@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,12 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoConfig
 
 from envs.actions import ActionStats, ActionTokenizer
-from envs.experts import Demo, collect_demos
 from mmrl.config import Config
 from mmrl.models import load_policy, load_processor
 from mmrl.supervised import supervised_step
 from mmrl.vla.observations import ObservationPrompts
 from processors import PixelBudget
+
+if TYPE_CHECKING:  # the experts import MuJoCo, which only `mmrl sft` needs
+    from envs.experts import Demo
 
 TOKENIZER_FILE = "action_tokenizer.json"
 
@@ -84,6 +87,8 @@ def behaviour_clone(
 
 def run_sft(cfg: Config, console: Console | None = None) -> Path:
     """Collect demos, fit the action statistics, clone, and write the policy to `model.path`."""
+    from envs.experts import collect_demos
+
     console = console or Console()
     if cfg.env is None or cfg.sft is None:
         raise ValueError(
