@@ -47,8 +47,16 @@ LONG_MODULES = (
 )
 
 
+def _start_order(item: pytest.Item) -> tuple[bool, bool]:
+    """Ray tests first, then the long modules. `--dist loadgroup` runs the whole `ray` group on one
+    worker, one test after another; started last, that chain alone set CI's length."""
+    group = item.get_closest_marker("xdist_group")
+    in_ray = group is not None and "ray" in (*group.args, group.kwargs.get("name"))
+    return (not in_ray, item.path.name not in LONG_MODULES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: order within kept
+    items.sort(key=_start_order)  # stable: the order within each class is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

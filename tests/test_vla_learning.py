@@ -28,6 +28,7 @@ def test_sft_then_episode_grpo_raises_reach_success_by_20_points(tmp_path) -> No
             "trainer.loggers=[jsonl]",
             "trainer.progress=false",
             "trainer.save_every=0",
+            "trainer.val_every=20",  # before and after RL only
         ],
     )
     assert cfg.env.val_episodes >= 50 and cfg.rollout.val.temperature == cfg.rollout.temperature
