@@ -71,6 +71,12 @@ class PromptSample:
     second_per_grid_ts: torch.Tensor | None = None  # seconds per temporal patch, one per video
 
 
+def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:
+    """`data.min_pixels`/`max_pixels` on the checkpoint's own patch and merge sizes."""
+    vision = model_config.vision_config
+    return PixelBudget(cfg.min_pixels, cfg.max_pixels, vision.patch_size, vision.spatial_merge_size)
+
+
 class SkipRow(Exception):
     """Raised while preparing a row; `reason` is the short counter key."""
 

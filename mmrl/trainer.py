@@ -45,7 +45,7 @@ from mmrl.algorithms import (
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError, dump_config
 from mmrl.critic import Critic, ValueModel
-from mmrl.data import PromptDataset, PromptLoader, PromptSample
+from mmrl.data import PromptDataset, PromptLoader, PromptSample, image_budget
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
@@ -54,7 +54,7 @@ from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.warmup import format_warmup
-from processors import PixelBudget, VideoBudget
+from processors import VideoBudget
 from rewards import RewardManager
 
 if TYPE_CHECKING:
@@ -685,7 +685,7 @@ def build_datasets(
     """The training set (prepared lazily, row by row) and the prepared validation samples."""
     d = cfg.data
     vcfg = model_config.vision_config
-    budget = PixelBudget(d.min_pixels, d.max_pixels, vcfg.patch_size, vcfg.spatial_merge_size)
+    budget = image_budget(d, model_config)
     try:
         video_budget = VideoBudget(
             fps=d.video_fps,

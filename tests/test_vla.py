@@ -14,7 +14,7 @@ from PIL import Image
 
 from envs import make_env
 from envs.actions import ActionStats, ActionTokenizer
-from envs.experts import collect_demos
+from envs.experts import Demo
 from envs.vector import LocalEnvs
 from mmrl.algorithms import get_advantage_estimator
 from mmrl.batch import Batch
@@ -116,18 +116,21 @@ def test_trajectory_grpo_normalises_over_episodes_not_decisions() -> None:
 
 
 def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:
-    demos = collect_demos("reach", 2, seed=0, image_size=56, max_steps=5)
-    stats = ActionStats.from_demos([d.actions for d in demos])
-    tokenizer = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2, stats=stats)
-    steps = demo_steps(demos, tokenizer)
-    assert len(steps) == sum(math.ceil(len(d.actions) / 2) for d in demos)
-    demo, t, ids = steps[0]
-    assert t == 0 and ids == tokenizer.encode(demo.actions[:2])
-    last = [s for s in steps if s[0] is demos[0]][-1]
-    if len(demos[0].actions) % 2:  # an odd episode ends mid-chunk: the last action fills the chunk
-        assert last[2][:2] == last[2][2:]
-    restored = ActionTokenizer.from_dict(json.loads(json.dumps(tokenizer.to_dict())))
-    assert restored.decode(ids).tolist() == tokenizer.decode(ids).tolist()
+    frames = np.zeros((3, 8, 8, 3), np.uint8)
+    actions = np.array([[-0.9, 0.9], [0.0, 0.5], [0.6, -0.3]], dtype=np.float32)  # 3 steps: odd
+    demo = Demo(seed=0, instruction="touch the red ball", frames=frames, actions=actions, success=True)
+    tokenizer = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2)
+    steps = demo_steps([demo], tokenizer)
+    assert [(t, ids) for _, t, ids in steps] == [
+        (0, tokenizer.encode(actions[:2])),
+        (2, tokenizer.encode(actions[[2, 2]])),  # the episode ends mid-chunk: its last action fills it
+    ]
+    stats = ActionStats.from_demos([actions])
+    with_stats = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2, stats=stats)
+    restored = ActionTokenizer.from_dict(json.loads(json.dumps(with_stats.to_dict())))
+    ids = with_stats.encode(actions[:2])
+    assert restored.decode(ids).tolist() == with_stats.decode(ids).tolist()
+    assert restored.to_dict() == with_stats.to_dict()
 
 
 def test_episode_gif_holds_every_step_and_frames_ended_episodes(tmp_path) -> None:

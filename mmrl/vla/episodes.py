@@ -9,7 +9,7 @@ responses to one prompt do in GRPO on text.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -29,7 +29,6 @@ class Episodes:
     """Decisions as a trainable batch, and what each episode came to."""
 
     batch: Batch
-    seeds: list[int]
     returns: torch.Tensor  # (E,) env reward summed, minus the invalid-action penalty
     success: torch.Tensor  # (E,) bool
     lengths: torch.Tensor  # (E,) decisions taken
@@ -69,14 +68,7 @@ def run_episodes(
     live = np.ones(n, dtype=bool)
     invalid: dict[str, int] = {}
     frames: list[list[np.ndarray]] = [[obs[i]["image"]] for i in range(min(record, n))]
-    params = SamplingParams(
-        n=1,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_new_tokens=tokenizer.n_tokens,
-        logprobs=params.logprobs,
-    )
+    params = replace(params, n=1, max_new_tokens=tokenizer.n_tokens)
     parts = []
     while live.any():
         idx = np.flatnonzero(live).tolist()
@@ -95,7 +87,7 @@ def run_episodes(
             chunks[i] = action
             lengths[i] += 1
         for k in range(tokenizer.chunk):  # a chunk's steps in order; an episode may end mid-chunk
-            step = [chunks[i][k] if live[i] and chunks[i] is not None else None for i in range(n)]
+            step = [chunks[i][k] if live[i] else None for i in range(n)]  # live: decided this round
             for i, result in enumerate(envs.step([*step, *[None] * (envs.num_envs - n)])[:n]):
                 if result is None:
                     continue
@@ -110,7 +102,6 @@ def run_episodes(
     batch.set(group_index=episode // group_size, scores=torch.tensor(returns, dtype=torch.float32)[episode])
     return Episodes(
         batch=batch,
-        seeds=list(seeds),
         returns=torch.tensor(returns, dtype=torch.float32),
         success=torch.tensor(success),
         lengths=torch.tensor(lengths),

@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 from mmrl.config import Config, ConfigError
+from mmrl.data import image_budget
 from mmrl.evaluate import EvalResult, load_for_eval
 from mmrl.rollout import SamplingParams
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
-from mmrl.vla.sft import load_action_tokenizer, pixel_budget
+from mmrl.vla.sft import load_action_tokenizer
 from mmrl.vla.trainer import make_envs
 
 
@@ -31,7 +32,7 @@ def evaluate_episodes(
     count = episodes or env.val_episodes
     if count < 1:
         raise ConfigError("no evaluation episodes: set env.val_episodes or pass --episodes")
-    model_dir, _, processor, engine = load_for_eval(cfg, checkpoint)
+    model_dir, model, processor, engine = load_for_eval(cfg, checkpoint)
     tokenizer = load_action_tokenizer(model_dir) or load_action_tokenizer(cfg.model.path)
     if tokenizer is None:
         raise ConfigError(
@@ -45,7 +46,7 @@ def evaluate_episodes(
         result = run_episodes(
             engine,
             envs,
-            ObservationPrompts(processor, pixel_budget(cfg), env.prompt),
+            ObservationPrompts(processor, image_budget(cfg.data, model.config), env.prompt),
             tokenizer,
             list(range(env.val_seed, env.val_seed + count)),
             SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k),

@@ -19,10 +19,10 @@ from transformers import AutoConfig
 
 from envs.actions import ActionStats, ActionTokenizer
 from mmrl.config import Config
+from mmrl.data import image_budget
 from mmrl.models import load_policy, load_processor
 from mmrl.supervised import supervised_step
 from mmrl.vla.observations import ObservationPrompts
-from processors import PixelBudget
 
 if TYPE_CHECKING:  # the experts import MuJoCo, which only `mmrl sft` needs
     from envs.experts import Demo
@@ -38,10 +38,6 @@ def load_action_tokenizer(folder: str | Path) -> ActionTokenizer | None:
     """The tokenizer saved beside a policy, or None for a model that was never taught actions."""
     path = Path(folder) / TOKENIZER_FILE
     return ActionTokenizer.from_dict(json.loads(path.read_text())) if path.exists() else None
-
-
-def pixel_budget(cfg: Config) -> PixelBudget:
-    return PixelBudget(min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
 def demo_steps(demos: list[Demo], tokenizer: ActionTokenizer) -> list[tuple[Demo, int, list[int]]]:
@@ -111,9 +107,9 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         used = [d for d in demos if d.success] if sft.success_only else demos
         if not used:
             raise ValueError("sft.success_only: no demo succeeded; lower sft.noise or add demos")
-        vocab = AutoConfig.from_pretrained(sft.base_model).text_config.vocab_size
+        model_config = AutoConfig.from_pretrained(sft.base_model)
         tokenizer = ActionTokenizer.for_vocab(
-            vocab,
+            model_config.text_config.vocab_size,
             used[0].actions.shape[1],
             n_bins=env.n_bins,
             chunk=env.chunk,
@@ -123,7 +119,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         model = load_policy(sft.base_model, torch.float32, "cpu")
         losses = behaviour_clone(
             model,
-            ObservationPrompts(processor, pixel_budget(cfg), env.prompt),
+            ObservationPrompts(processor, image_budget(cfg.data, model_config), env.prompt),
             demo_steps(used, tokenizer),
             updates=sft.steps,
             lr=sft.lr,

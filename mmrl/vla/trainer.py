@@ -17,13 +17,14 @@ from envs.actions import ActionTokenizer
 from envs.vector import LocalEnvs, VectorEnv
 from mmrl.algorithms import informative_groups
 from mmrl.batch import Batch
+from mmrl.data import image_budget
 from mmrl.optim import plan_minibatches
 from mmrl.rollout import SamplingParams
 from mmrl.trainer import Trainer, _rng_devices, _Timer
 from mmrl.vla.episodes import Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
-from mmrl.vla.sft import load_action_tokenizer, pixel_budget, save_action_tokenizer
+from mmrl.vla.sft import load_action_tokenizer, save_action_tokenizer
 
 
 def make_envs(cfg: Any, count: int) -> VectorEnv:
@@ -74,7 +75,9 @@ class EpisodeTrainer(Trainer):
         self.action_tokenizer = episode_tokenizer(
             cfg, cfg.model.path, model_config.text_config.vocab_size, self.envs.action_dim
         )
-        self.prompts = ObservationPrompts(self.processor, pixel_budget(cfg), cfg.env.prompt)
+        self.prompts = ObservationPrompts(
+            self.processor, image_budget(cfg.data, model_config), cfg.env.prompt
+        )
 
     @property
     def _validates(self) -> bool:
