@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-import pytest
-import torch
+from determinism import pin_environment
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # One process per core (pytest -n): two torch threads per process would fight over the cores and
-    # make every step several times slower. Subprocesses the tests start inherit the setting.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+pin_environment()  # before torch loads: the same numerics on every x86 machine (see determinism.py)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
@@ -63,3 +63,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The whole suite must stay inside CI's budget (the README's test command on a 2-core machine). A run that
+# takes longer fails, naming the slowest tests, so the suite cannot creep past the limit unnoticed.
+# `MMRL_TEST_BUDGET_MIN=0` turns the check off (a slow laptop, a debugger).
+BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "30"))
+_started: list[float] = []
+_over_budget: list[str] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _started.append(time.monotonic())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: only the controller sees the whole run
+    elapsed = time.monotonic() - _started[0]
+    if (
+        BUDGET_MIN
+        and elapsed > BUDGET_MIN * 60
+        and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+    ):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reports = [r for key in ("passed", "failed") for r in reporter.stats.get(key, []) if r.when == "call"]
+        slowest = sorted(reports, key=lambda r: r.duration, reverse=True)[:10]
+        _over_budget.append(
+            f"the suite took {elapsed / 60:.1f} min, over its budget of {BUDGET_MIN:g} min "
+            "(MMRL_TEST_BUDGET_MIN). Make the slowest tests shorter before adding more:\n"
+            + "\n".join(f"  {r.duration:7.1f} s  {r.nodeid}" for r in slowest)
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for message in _over_budget:
+        terminalreporter.section("time budget", sep="=", red=True, bold=True)
+        terminalreporter.line(message, red=True)

@@ -1,0 +1,158 @@
+"""The learning runs the suite asserts on: each recipe at test size, on its synthetic task.
+
+The tests and `bench/learning_spread.py` train from these same definitions, so the spread written next to
+each threshold was measured on exactly the run the test makes. A test-sized run keeps its recipe (the
+algorithm, the model, the task) and only takes fewer steps; the recipes' full-length figures are in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmrl.cli import main
+from mmrl.logger import read_metrics
+from mmrl.synthetic import COLOURS, generate
+from mmrl.synthetic_video import generate_motion
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def colour_task(root: Path) -> None:
+    """2,048 training and 64 held-out 112 px shapes in 6 colours: chance is 1/6."""
+    generate(root, task="color", n_train=2048, n_val=64, seed=0, image_size=112)
+
+
+def motion_task(root: Path) -> None:
+    """Which way a dot moves over 4 frames: chance is 1/4, and the answer is only in the motion."""
+    generate_motion(root, n_train=2048, n_val=64, seed=0)
+
+
+def hidden_colour_task(root: Path) -> None:
+    """The colour task with every answer replaced by a colour drawn independently of its image, and the
+    scene parameters (which name the colour) dropped: only a reward that reads the pixels can teach it.
+    The format warm-up still sees the answer vocabulary; nothing sees the label."""
+    colour_task(root)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        path = root / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            row["answer"] = str(rng.choice(list(COLOURS)))
+            del row["params"]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@dataclass(frozen=True)
+class LearningRun:
+    """One recipe at test size: `steps` RL steps after the recipe's warm-up, validated before and after.
+    `min_gain` is the least rise of the validation `metric` the test accepts. A run without a `task` is a
+    simulator recipe: behaviour cloning from the env's expert (`mmrl sft`), then episode GRPO."""
+
+    config: str
+    task: Callable[[Path], None] | None
+    steps: int
+    min_gain: float
+    overrides: tuple[str, ...] = ()
+    metric: str = "val/accuracy"
+
+
+RUNS: dict[str, LearningRun] = {
+    "grpo": LearningRun("configs/quickstart.yaml", colour_task, steps=100, min_gain=0.3),
+    "grpo_2workers": LearningRun(
+        "configs/quickstart.yaml",
+        colour_task,
+        steps=100,
+        min_gain=0.3,
+        overrides=("trainer.n_gpus_per_node=2",),
+    ),
+    "video": LearningRun("configs/quickstart_video.yaml", motion_task, steps=120, min_gain=0.5),
+    "dapo": LearningRun("configs/quickstart_dapo.yaml", colour_task, steps=100, min_gain=0.3),
+    "drgrpo": LearningRun("configs/quickstart_drgrpo.yaml", colour_task, steps=100, min_gain=0.3),
+    "ppo": LearningRun("configs/quickstart_ppo.yaml", colour_task, steps=100, min_gain=0.3),
+    "lora": LearningRun("configs/quickstart_lora.yaml", colour_task, steps=100, min_gain=0.3),
+    "vllm": LearningRun(
+        "configs/quickstart.yaml",
+        colour_task,
+        steps=100,
+        min_gain=0.3,
+        overrides=("rollout.engine=vllm", "rollout.vllm.max_model_len=512"),
+    ),
+    "custom_reward": LearningRun(
+        "examples/custom_reward/config.yaml", hidden_colour_task, steps=100, min_gain=0.3
+    ),
+    "vla": LearningRun("configs/vla_mujoco_reach.yaml", None, steps=20, min_gain=0.2, metric="val/success"),
+}
+
+
+def train(
+    name: str, root: Path, model_dir: Path, seed: int | None = None, extra: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """`mmrl train` on run `name` in `root` (data rendered there unless present); its metrics records."""
+    run = RUNS[name]
+    if run.task is None:
+        return _train_episodes(run, root, model_dir, seed, extra)
+    data = root / "data"
+    if not (data / "train.jsonl").exists():
+        run.task(data)
+    out = root / "run"
+    code = main(
+        [
+            "train",
+            str(REPO / run.config),
+            f"model.path={model_dir}",
+            f"data.train_files={data / 'train.jsonl'}",
+            f"data.val_files={data / 'val.jsonl'}",
+            f"trainer.output_dir={out}",
+            f"trainer.total_steps={run.steps}",
+            f"trainer.val_every={run.steps}",
+            "trainer.save_every=0",
+            "trainer.progress=false",
+            "trainer.loggers=[jsonl]",
+            *([f"trainer.seed={seed}"] if seed is not None else []),
+            *run.overrides,
+            *extra,
+        ]
+    )
+    assert code == 0, f"mmrl train exited with {code}"
+    return read_metrics(out / "metrics.jsonl")
+
+
+def _train_episodes(
+    run: LearningRun, root: Path, model_dir: Path, seed: int | None, extra: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """`mmrl sft` from `model_dir`, then episode GRPO from the cloned policy; the RL run's records."""
+    from mmrl.config import load_config
+    from mmrl.vla.sft import run_sft
+    from mmrl.vla.trainer import EpisodeTrainer
+
+    cfg = load_config(
+        REPO / run.config,
+        [
+            f"model.path={root / 'sft-model'}",
+            f"sft.base_model={model_dir}",
+            f"trainer.output_dir={root / 'run'}",
+            f"trainer.total_steps={run.steps}",
+            f"trainer.val_every={run.steps}",
+            "trainer.save_every=0",
+            "trainer.progress=false",
+            "trainer.loggers=[jsonl]",
+            *([f"trainer.seed={seed}"] if seed is not None else []),
+            *run.overrides,
+            *extra,
+        ],
+    )
+    run_sft(cfg)
+    EpisodeTrainer(cfg).fit()
+    return read_metrics(root / "run" / "metrics.jsonl")
+
+
+def validations(records: list[dict[str, Any]], key: str = "val/accuracy") -> list[tuple[int, float]]:
+    """(step, value) of every validation in a run's records."""
+    return [(r["step"], r[key]) for r in records if key in r]

@@ -1,0 +1,45 @@
+"""The suite's time budget (conftest.py): a run over `MMRL_TEST_BUDGET_MIN` fails and names its slowest
+tests, under xdist as CI runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _pytest(budget_min: str) -> subprocess.CompletedProcess[str]:
+    """Two quick tests of this repo's suite under `pytest -n 2`, with the budget set to `budget_min`.
+    (The suite itself, passing within the default budget, shows the check leaves a good run alone.)"""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            f"{TESTS / 'test_schedule.py'}",
+        ],
+        cwd=TESTS.parent,
+        env={**os.environ, "MMRL_TEST_BUDGET_MIN": budget_min},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_a_run_over_its_budget_fails_naming_the_slowest_tests() -> None:
+    over = _pytest("0.0001")  # 6 ms: every run is over it
+    assert over.returncode == 1, over.stdout[-2000:]
+    assert "over its budget of 0.0001 min" in over.stdout
+    assert "test_schedule.py::" in over.stdout.split("time budget")[-1], "the slowest tests are named"
+
