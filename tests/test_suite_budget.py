@@ -42,4 +42,3 @@ def test_a_run_over_its_budget_fails_naming_the_slowest_tests() -> None:
     assert over.returncode == 1, over.stdout[-2000:]
     assert "over its budget of 0.0001 min" in over.stdout
     assert "test_schedule.py::" in over.stdout.split("time budget")[-1], "the slowest tests are named"
-
