@@ -1,12 +1,14 @@
 """The spread of the learning tests' results: each test-sized run over seeds and thread counts.
 
-Every run is the one its test makes (`tests/learning_runs.py`), in its own subprocess with the test
-suite's numerics settings (`tests/determinism.py`), at `--threads` torch threads. `--jobs` runs go at once:
-on a 2-core machine, two 1-thread runs, as `pytest -n auto` places them. Prints a table of validation
+Every run is the one its test makes (`tests/learning_runs.py`), in its own subprocess, at `--threads`
+torch threads (the suite uses one). `--isa avx2` makes ATen and MKL use the AVX2 kernels that an AVX2-only
+machine would run, so one AVX-512 machine samples both kinds of numerics: an RL run turns a last-bit
+difference into another trajectory, so the spread must cover them. `--jobs` runs go at once: on a 2-core
+machine, two 1-thread runs, as `pytest -n auto` places them. Prints a table of validation
 accuracy before and after and the gain, per run, and the worst gain per recipe: the figure the test's
 threshold keeps its margin from.
 
-    python bench/learning_spread.py --runs grpo dapo --seeds 1 2 3 --threads 1 2 --out /tmp/spread.json
+    python bench/learning_spread.py --runs grpo dapo --seeds 1 2 3 --threads 1 2 --isa native avx2 --out /tmp/spread.json
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, write_result
 
 sys.path.insert(0, str(REPO / "tests"))
-from determinism import DETERMINISTIC_CPU
 from learning_runs import RUNS
+
+# fp32 only: on AVX-512 CPUs, ATen's bfloat16 kernels fail under this cap (the learning runs are fp32).
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
 CHILD = """
 import json, sys
@@ -43,39 +47,28 @@ print("RESULT " + json.dumps(validations(records, RUNS[{name!r}].metric)))
 """
 
 
-def run_one(name: str, seed: int, threads: int, workdir: Path, extra: tuple[str, ...]) -> dict[str, Any]:
+def run_one(
+    name: str, seed: int, threads: int, isa: str, workdir: Path, extra: tuple[str, ...]
+) -> dict[str, Any]:
     """One test-sized run in a fresh subprocess; its validations and wall time."""
-    root = workdir / f"{name}-s{seed}-t{threads}"
+    root = workdir / f"{name}-s{seed}-t{threads}-{isa}"
     root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **DETERMINISTIC_CPU, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env |= AVX2 if isa == "avx2" else {}
     code = CHILD.format(
         tests=str(REPO / "tests"), threads=threads, root=str(root), name=name, seed=seed, extra=extra
     )
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    result = {"run": name, "seed": seed, "threads": threads, "isa": isa}
+    result["seconds"] = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         (root / "stderr.txt").write_text(proc.stderr)
-        return {
-            "run": name,
-            "seed": seed,
-            "threads": threads,
-            "error": proc.stderr[-2000:],
-            "seconds": seconds,
-        }
+        return result | {"error": proc.stderr[-2000:]}
     val = json.loads(lines[-1][len("RESULT ") :])
     (_, first), (_, last) = val[0], val[-1]
-    return {
-        "run": name,
-        "seed": seed,
-        "threads": threads,
-        "validations": val,
-        "first": first,
-        "last": last,
-        "gain": last - first,
-        "seconds": seconds,
-    }
+    return result | {"validations": val, "first": first, "last": last, "gain": last - first}
 
 
 def main() -> None:
@@ -85,27 +78,26 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4])
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    parser.add_argument("--isa", nargs="+", choices=["native", "avx2"], default=["native", "avx2"])
     parser.add_argument("overrides", nargs="*", help="key=value on top of each run (trying a change)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
-    combos = [(n, s, t) for n in args.runs for t in args.threads for s in args.seeds]
+    combos = [(n, s, t, i) for n in args.runs for t in args.threads for i in args.isa for s in args.seeds]
     with tempfile.TemporaryDirectory(prefix="mmrl-spread-") as tmp:
         workdir = args.workdir or Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda c: run_one(*c, workdir, tuple(args.overrides)), combos))
 
-    print(f"{'run':<15}{'seed':>5}{'threads':>8}{'before':>8}{'after':>8}{'gain':>8}{'seconds':>9}")
+    print(f"{'run':<15}{'seed':>5}{'threads':>8}{'isa':>7}{'before':>8}{'after':>8}{'gain':>8}{'seconds':>9}")
     for r in results:
+        head = f"{r['run']:<15}{r['seed']:>5}{r['threads']:>8}{r['isa']:>7}"
         if "error" in r:
-            print(f"{r['run']:<15}{r['seed']:>5}{r['threads']:>8}   failed: {r['error'].splitlines()[-1:]}")
+            print(f"{head}   failed: {r['error'].splitlines()[-1:]}")
             continue
-        print(
-            f"{r['run']:<15}{r['seed']:>5}{r['threads']:>8}{r['first']:>8.3f}{r['last']:>8.3f}"
-            f"{r['gain']:>8.3f}{r['seconds']:>9.0f}"
-        )
+        print(f"{head}{r['first']:>8.3f}{r['last']:>8.3f}{r['gain']:>8.3f}{r['seconds']:>9.0f}")
     print()
     for name in args.runs:
         gains = [r["gain"] for r in results if r["run"] == name and "gain" in r]

@@ -6,13 +6,14 @@ import os
 import time
 from pathlib import Path
 
-from determinism import pin_environment
+import pytest
+import torch
 
-pin_environment()  # before torch loads: the same numerics on every x86 machine (see determinism.py)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
+# One torch thread per test process, with or without `pytest -n`: two threads per process would fight over
+# the cores, and the thread count changes how sums are split, so a learning run would take another path
+# than the one its threshold was measured on (`bench/learning_spread.py`). Subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
@@ -33,26 +34,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-# Minutes-long tests (learning runs, worker groups) go first: under `pytest -n` a long test that starts
-# last runs alone on one core while the others idle, which once made CI several minutes longer.
-LONG_MODULES = (
-    "test_learning.py",
-    "test_learning_recipes.py",
-    "test_vla_learning.py",
-    "test_custom_reward_learning.py",
-    "test_distributed.py",
-    "test_geo_recipe.py",
-    "test_resources.py",
-    "test_crash_resume.py",
+# Minutes-long tests go first, longest first: under `pytest -n` a long test that starts last runs alone on
+# one core while the other idles. Seconds are one test's time on a 2-core machine with the other core busy
+# (2026-11-24, `--durations`); a test that matches no entry is short.
+LONGEST_FIRST = (
+    "test_learning.py::test_video_quickstart",  # 450 s
+    "test_vla_learning.py",  # 310 s
+    "test_learning_recipes.py",  # 5 runs, 125-195 s each
+    "test_custom_reward_learning.py",  # 130 s
+    "test_learning.py",  # 120 s
+    "faults/test_crash_resume.py",  # 90 s, one group
+    "faults/test_resources.py",  # 70 s
+    "test_resume.py",  # one group
 )
 
 
-def _start_order(item: pytest.Item) -> tuple[bool, bool]:
-    """Ray tests first, then the long modules. `--dist loadgroup` runs the whole `ray` group on one
-    worker, one test after another; started last, that chain alone set CI's length."""
+def _start_order(item: pytest.Item) -> tuple[bool, int]:
+    """The `ray` group first, then the long tests, longest first. `--dist loadgroup` runs the whole group
+    (about 12 minutes) on one worker, one test after another; started last, that chain alone set CI's
+    length."""
     group = item.get_closest_marker("xdist_group")
     in_ray = group is not None and "ray" in (*group.args, group.kwargs.get("name"))
-    return (not in_ray, item.path.name not in LONG_MODULES)
+    rank = next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))
+    return (not in_ray, rank)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
