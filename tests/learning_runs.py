@@ -63,8 +63,15 @@ class LearningRun:
     metric: str = "val/accuracy"
 
 
+# Each threshold keeps a margin below the worst gain in held-out accuracy measured for its run over seeds
+# 1-3 and both kinds of x86 numerics (`bench/learning_spread.py`, 2026-11-24, docs/benchmarks.md). After
+# the warm-up every colour run answers one colour: 0.172 on the 64 held-out images at every seed, and a run
+# that learns nothing stays there exactly, so any positive threshold fails a broken learner. Learning goes
+# colour by colour: +0.16 is the first colour learned beyond the warm-up's.
 RUNS: dict[str, LearningRun] = {
+    # gains 0.47, 0.47, 0.44
     "grpo": LearningRun("configs/quickstart.yaml", colour_task, steps=100, min_gain=0.3),
+    # the same recipe on two FSDP2 workers (each samples its own half): gain 0.47 at seed 1
     "grpo_2workers": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
@@ -72,23 +79,31 @@ RUNS: dict[str, LearningRun] = {
         min_gain=0.3,
         overrides=("trainer.n_gpus_per_node=2",),
     ),
+    # chance 1/4; gains VIDEO_GAINS
     "video": LearningRun("configs/quickstart_video.yaml", motion_task, steps=200, min_gain=0.5),
-    "dapo": LearningRun("configs/quickstart_dapo.yaml", colour_task, steps=100, min_gain=0.3),
-    "drgrpo": LearningRun("configs/quickstart_drgrpo.yaml", colour_task, steps=100, min_gain=0.3),
-    "ppo": LearningRun("configs/quickstart_ppo.yaml", colour_task, steps=100, min_gain=0.3),
-    "lora": LearningRun("configs/quickstart_lora.yaml", colour_task, steps=100, min_gain=0.3),
+    # gains 0.31, 0.16, 0.16
+    "dapo": LearningRun("configs/quickstart_dapo.yaml", colour_task, steps=100, min_gain=0.1),
+    # gains 0.52, 0.16, DRGRPO3
+    "drgrpo": LearningRun("configs/quickstart_drgrpo.yaml", colour_task, steps=100, min_gain=0.1),
+    # gains 0.67, 0.59, 0.17
+    "ppo": LearningRun("configs/quickstart_ppo.yaml", colour_task, steps=100, min_gain=0.1),
+    # gains 0.23, 0.17, 0.56
+    "lora": LearningRun("configs/quickstart_lora.yaml", colour_task, steps=100, min_gain=0.1),
+    # gains 0.16, 0.13, 0.31
     "vllm": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
         steps=100,
-        min_gain=0.3,
+        min_gain=0.08,
         overrides=("rollout.engine=vllm", "rollout.vllm.max_model_len=512"),
     ),
+    # gains 0.48, CUSTOM_GAINS
     "custom_reward": LearningRun(
         "examples/custom_reward/config.yaml", hidden_colour_task, steps=100, min_gain=0.3
     ),
-    # RL's gain over the behaviour-cloned policy: -0.01 at worst over seeds, so only a loss of more than
-    # 0.05 (two standard errors at success 0.07 over 100 episodes) fails (tests/test_vla_learning.py).
+    # Success over 100 evaluation episodes. RL's gain over the behaviour-cloned policy: +0.07, -0.01, +0.07,
+    # so only a loss of more than 0.05 (two standard errors at success 0.07) fails; the rise from the
+    # untrained policy is asserted in tests/test_vla_learning.py.
     "vla": LearningRun("configs/vla_mujoco_reach.yaml", None, steps=20, min_gain=-0.05, metric="val/success"),
 }
 

@@ -37,4 +37,9 @@ def test_recipe_learns_colour_from_pixels(name: str, tmp_path, tiny_model_dir) -
         assert not any("actor/pg_loss" in r for r in steps[:5]) and all(
             "actor/pg_loss" in r for r in steps[5:]
         )
-        assert steps[-1]["critic/values_mean"] > steps[5]["critic/values_mean"] + 0.2  # it tracked the reward
+        # The critic starts at zero and ends at the level of the reward it predicts: over the last 10 steps
+        # its mean value and the mean reward differed by 0.001 and 0.035 at seeds 3 and 2 (rewards 0.38, 0.55).
+        values = sum(r["critic/values_mean"] for r in steps[-10:]) / 10
+        rewards = sum(r["reward/mean"] for r in steps[-10:]) / 10
+        assert abs(steps[0]["critic/values_mean"]) < 0.05
+        assert values > 0.15 and abs(values - rewards) < 0.1, (values, rewards)
