@@ -1,7 +1,7 @@
 """GRPO makes a tiny random-init Qwen2.5-VL learn visual tasks (images, and videos): accuracy rises from chance.
 
 Each run is its recipe at test size (`learning_runs.RUNS`); the thresholds keep a margin below the worst
-gain measured over seeds and thread counts (`bench/learning_spread.py`, figures in docs/benchmarks.md).
+gain measured over seeds and x86 numerics (`bench/learning_spread.py`, figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 learn the quickstart's visual task as the GRPO recipe with the HF engine does.
 
 Each run is its recipe at test size (`learning_runs.RUNS`); the thresholds keep a margin below the worst
-gain measured over seeds and thread counts (`bench/learning_spread.py`, figures in docs/benchmarks.md).
+gain measured over seeds and x86 numerics (`bench/learning_spread.py`, figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
