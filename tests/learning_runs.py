@@ -127,18 +127,26 @@ def train(
             f"data.train_files={data / 'train.jsonl'}",
             f"data.val_files={data / 'val.jsonl'}",
             f"trainer.output_dir={out}",
-            f"trainer.total_steps={run.steps}",
-            f"trainer.val_every={run.steps}",
-            "trainer.save_every=0",
-            "trainer.progress=false",
-            "trainer.loggers=[jsonl]",
-            *([f"trainer.seed={seed}"] if seed is not None else []),
-            *run.overrides,
-            *extra,
+            *_shape(run, seed, extra),
         ]
     )
     assert code == 0, f"mmrl train exited with {code}"
     return read_metrics(out / "metrics.jsonl")
+
+
+def _shape(run: LearningRun, seed: int | None, extra: tuple[str, ...]) -> list[str]:
+    """The overrides that make a recipe its test-size run: steps, validation before and after only, no
+    checkpoints or progress bars, the seed, the run's own overrides and the caller's."""
+    return [
+        f"trainer.total_steps={run.steps}",
+        f"trainer.val_every={run.steps}",
+        "trainer.save_every=0",
+        "trainer.progress=false",
+        "trainer.loggers=[jsonl]",
+        *([f"trainer.seed={seed}"] if seed is not None else []),
+        *run.overrides,
+        *extra,
+    ]
 
 
 def _train_episodes(
@@ -155,14 +163,7 @@ def _train_episodes(
             f"model.path={root / 'sft-model'}",
             f"sft.base_model={model_dir}",
             f"trainer.output_dir={root / 'run'}",
-            f"trainer.total_steps={run.steps}",
-            f"trainer.val_every={run.steps}",
-            "trainer.save_every=0",
-            "trainer.progress=false",
-            "trainer.loggers=[jsonl]",
-            *([f"trainer.seed={seed}"] if seed is not None else []),
-            *run.overrides,
-            *extra,
+            *_shape(run, seed, extra),
         ],
     )
     run_sft(cfg)
