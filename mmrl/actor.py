@@ -24,7 +24,7 @@ from mmrl.algorithms import (
 )
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig, Config
-from mmrl.models import autocast_for, never_generated_ids
+from mmrl.models import Family, autocast_for, family_of, never_generated_ids
 from mmrl.optim import (
     MiniBatch,
     UpdateStats,
@@ -35,7 +35,7 @@ from mmrl.optim import (
 )
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad, vision_inputs
-from processors import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
+from processors import TRANSFORMERS_RULE
 
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
@@ -44,68 +44,36 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     """Last hidden states (B, T, H) at the positions that predict each response token.
 
     The shared trunk of the policy's log-probs and the critic's values: position t holds the
-    state after the prompt and the first t response tokens. Run under `autocast_for`."""
+    state after the prompt and the first t response tokens. The family adapter runs the model's
+    own forward, with each prompt's media encoded once for its n responses (`_media`).
+
+    Positions follow the engine that sampled each row (`POSITION_RULE`): the trainer's log-probs
+    must be of the tokens at the positions they were sampled at, or the PPO ratio compares two
+    different inputs. transformers and vLLM place the text after a long video differently
+    (`processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`."""
     device = next(model.parameters()).device
+    family = family_of(model)
     rows = batch["prompt_index"].tolist()
     prompts = [batch.prompts[i] for i in rows]
     prompt_ids, prompt_mask = left_pad([p.prompt_ids for p in prompts], pad_id)
     response = batch["response_ids"]
     input_ids = torch.cat([prompt_ids, response], dim=1)
     attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
-    cfg = model.config
     rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
-    positions = _positions(cfg, prompts, input_ids, attention, rules)
-    input_ids = input_ids.to(device)
-    embeds = model.model.get_input_embeddings()(input_ids)
-    for token_id, features in (
-        (cfg.image_token_id, _media_embeds(model, batch, rows, device, video=False)),
-        (cfg.video_token_id, _media_embeds(model, batch, rows, device, video=True)),
-    ):
-        if features is not None:
-            slots = (input_ids == token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(slots, features.to(embeds.dtype))
-    hidden = model.model(
-        inputs_embeds=embeds,
-        attention_mask=attention.to(device),
-        position_ids=positions.to(device),
-        use_cache=False,
-    ).last_hidden_state
+    positions = family.position_ids(prompts, input_ids, attention, rules)
+    media = {
+        kind: encoded
+        for kind, encoded in (
+            ("image", _media(family, model, batch, rows, False)),
+            ("video", _media(family, model, batch, rows, True)),
+        )
+        if encoded is not None
+    }
+    hidden = family.hidden_states(
+        model, input_ids.to(device), attention.to(device), positions.to(device), media
+    )
     start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
     return hidden[:, start : start + response.shape[1]]
-
-
-def _positions(
-    cfg: Any,
-    prompts: list[Any],
-    input_ids: torch.Tensor,
-    attention: torch.Tensor,
-    rules: PositionRule | list[PositionRule] = TRANSFORMERS_RULE,
-) -> torch.Tensor:
-    """mRoPE ids of prompt + response as the engine that sampled each row laid them out, videos' time
-    axis included; the response continues after the prompt as that engine's generation does.
-
-    Why the engine's rule and not one fixed layout: the trainer's log-probs must be of the tokens at
-    the positions they were sampled at, or the PPO ratio compares two different inputs. transformers
-    and vLLM place the text after a long video differently (`processors.rope`), and vLLM's layout is
-    not configurable, so the engine records its `PositionRule` per row (`POSITION_RULE`) and training
-    follows it; rows without one were sampled by the HF engine, under transformers' rule.
-    (`tests/test_video_training.py` and `tests/test_vllm.py` check both against the engines' log-probs.)
-    """
-    images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
-    videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
-    seconds = [p.second_per_grid_ts for p in prompts if p.second_per_grid_ts is not None]
-    return mrope_position_ids(
-        input_ids,
-        attention,
-        torch.cat(images) if images else None,
-        image_token_id=cfg.image_token_id,
-        video_token_id=cfg.video_token_id,
-        spatial_merge_size=cfg.vision_config.spatial_merge_size,
-        video_grid_thw=torch.cat(videos) if videos else None,
-        second_per_grid_ts=torch.cat(seconds) if seconds else None,
-        tokens_per_second=getattr(cfg.vision_config, "tokens_per_second", 1.0),
-        rules=rules,
-    )
 
 
 def response_logits(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
@@ -146,33 +114,28 @@ def forward_logprobs(
     return logp, entropy
 
 
-def _media_embeds(
-    model: Any, batch: Batch, rows: list[int], device: torch.device, video: bool
-) -> torch.Tensor | None:
-    """Image (or video) features for every row, encoding each distinct prompt's media once.
+def _media(family: Family, model: Any, batch: Batch, rows: list[int], video: bool) -> Any:
+    """The vision tower's output for every row's images (or videos), encoding each distinct prompt's
+    media once.
 
-    The n responses of a prompt share its images, so the vision tower runs once per prompt
-    instead of once per response; reusing the features also sums their gradients, which is
-    exactly what n separate encodings would give.
+    The n responses of a prompt share its media, so the vision tower runs once per prompt instead
+    of once per response; reusing the features also sums their gradients, which is exactly what n
+    separate encodings would give.
     """
     pixels = "pixel_values_videos" if video else "pixel_values"
     distinct = sorted({i for i in rows if getattr(batch.prompts[i], pixels) is not None})
     if not distinct:
         return None
     inputs = vision_inputs([batch.prompts[i] for i in distinct])
-    if video:
-        grids = inputs["video_grid_thw"]
-        features = model.model.get_video_features(inputs[pixels].to(device), grids.to(device)).pooler_output
-    else:
-        grids = inputs["image_grid_thw"]
-        features = model.model.get_image_features(inputs[pixels].to(device), grids.to(device)).pooler_output
-    per_prompt, cursor = {}, 0
+    grids = inputs["video_grid_thw" if video else "image_grid_thw"]
+    encoded = family.encode_media(model, inputs[pixels], grids, video)
+    items, cursor = {}, 0
     for i in distinct:
         prompt = batch.prompts[i]
         count = len(prompt.video_grid_thw if video else prompt.image_grid_thw)
-        per_prompt[i] = torch.cat(features[cursor : cursor + count])
+        items[i] = range(cursor, cursor + count)
         cursor += count
-    return torch.cat([per_prompt[i] for i in rows if i in per_prompt])
+    return family.select_media(encoded, [item for i in rows if i in items for item in items[i]])
 
 
 def evaluate_rows(

@@ -26,12 +26,10 @@ def _preflight(cfg: Config) -> None:
             f"model.path: no model at {model}; this config starts from behaviour cloning, so run "
             "`mmrl sft` with it first (it writes model.path)"
         )
-    if not (model / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path: no model checkpoint at {model} (config.json missing). Build a tiny one with "
-            f"`mmrl model init-tiny {model}`, or point model.path at a downloaded Qwen2.5-VL folder."
-        )
     from mmrl.data import resolve_data
+    from mmrl.models import load_config as load_model_config
+
+    load_model_config(cfg.model.path)  # a folder or a hub id, of a supported family
 
     for key in ("train_files", "val_files"):
         for name in getattr(cfg.data, key):
@@ -106,8 +104,8 @@ def _config_show(args: argparse.Namespace) -> int:
 def _init_tiny(args: argparse.Namespace) -> int:
     from mmrl.models import build_tiny
 
-    out = build_tiny(args.out_dir, seed=args.seed)
-    print(f"tiny Qwen2.5-VL written to {out}")
+    out = build_tiny(args.out_dir, family=args.family, seed=args.seed)
+    print(f"tiny {args.family} model written to {out}")
     return 0
 
 
@@ -207,8 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_config_show)
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="action", required=True)
-    tiny = model.add_parser("init-tiny", help="write a random-init tiny Qwen2.5-VL with its own tokenizer")
+    tiny = model.add_parser(
+        "init-tiny", help="write a random-init tiny model of a family, with its own tokenizer"
+    )
     tiny.add_argument("out_dir")
+    tiny.add_argument("--family", default="qwen2_5_vl", help="model family (README: supported models)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_init_tiny)
 

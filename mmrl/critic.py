@@ -21,7 +21,7 @@ from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minib
 
 
 class ValueModel(nn.Module):
-    """A Qwen2.5-VL trunk (vision tower and language model) with a linear value head.
+    """The policy's trunk (vision tower and language model) with a linear value head.
 
     The head starts at zero, so V ≡ 0 at first and the early advantages are plain returns: a
     random head would add noise the policy follows before the critic has learned anything."""
@@ -30,7 +30,7 @@ class ValueModel(nn.Module):
         super().__init__()
         self.model = policy.model
         self.config = policy.config
-        hidden = policy.config.text_config.hidden_size
+        hidden = policy.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1, dtype=next(policy.parameters()).dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)

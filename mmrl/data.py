@@ -27,6 +27,7 @@ from jinja2 import Template
 from PIL import Image
 
 from mmrl.config import ConfigError
+from mmrl.models import family_of
 from processors import (
     ImageError,
     PixelBudget,
@@ -73,8 +74,8 @@ class PromptSample:
 
 def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:
     """`data.min_pixels`/`max_pixels` on the checkpoint's own patch and merge sizes."""
-    vision = model_config.vision_config
-    return PixelBudget(cfg.min_pixels, cfg.max_pixels, vision.patch_size, vision.spatial_merge_size)
+    grid = family_of(model_config).grid()
+    return PixelBudget(cfg.min_pixels, cfg.max_pixels, grid.patch, grid.merge)
 
 
 class SkipRow(Exception):

@@ -1,7 +1,7 @@
 """LoRA through peft: which layers get adapters, and the base model with the adapter switched off.
 
 peft injects the adapter layers into the model object in place, so the trainer, the engines and the
-log-prob code keep using the plain Qwen2.5-VL object; the PeftModel wrapper is kept only for what
+log-prob code keep using the plain transformers object; the PeftModel wrapper is kept only for what
 needs it: switching the adapter off for the reference, and saving it in peft's format.
 """
 
@@ -16,17 +16,14 @@ import torch
 from torch import nn
 
 from mmrl.config import LoraConfig
-from mmrl.models import SHARDED_MARKER
-
-LANGUAGE = "model.language_model."
-VISION = "model.visual."
+from mmrl.models import SHARDED_MARKER, family_of
 
 
 def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Full names of the linear layers that get adapters: those of the language model (and the vision
     tower when `include_vision`), filtered to `cfg.target_modules` leaf names when given; never the LM
     head, whose adaptation would also move the tied embeddings."""
-    prefixes = (LANGUAGE, *((VISION,) if cfg.include_vision else ()))
+    prefixes = family_of(model).lora_prefixes(cfg.include_vision)
     leaves = set(cfg.target_modules or ())
     names = [
         name
@@ -115,7 +112,7 @@ def gather_shards(folder: Path) -> nn.Module:
     Full fine-tuning saved every weight, so the architecture comes from the saved config; LoRA saved
     only the adapters, which go onto the base model named in the marker file and are merged."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig
 
     from mmrl.models import load_policy
 
@@ -127,7 +124,7 @@ def gather_shards(folder: Path) -> nn.Module:
         wanted = {n for n, p in model.named_parameters() if p.requires_grad}
     else:
         config = AutoConfig.from_pretrained(folder)
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+        model = family_of(config).load_class()._from_config(config, dtype=torch.float32)
         wanted = set(model.state_dict())
     state = {k: v for k, v in model.state_dict().items() if k in wanted}
     dcp.load({"model": state}, checkpoint_id=folder / "dcp")  # in place, into the model's own tensors

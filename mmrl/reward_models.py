@@ -35,7 +35,7 @@ def init_vision_reward_model(base: str | Path, out: str | Path, seed: int = 0) -
     (weights, tokenizer, processor) plus a freshly initialised scalar head."""
     base, out = Path(base), Path(out)
     shutil.copytree(base, out)
-    hidden = load_policy(base).config.text_config.hidden_size
+    hidden = load_policy(base).config.get_text_config().hidden_size
     generator = torch.Generator().manual_seed(seed)
     head = {
         "weight": torch.randn(1, hidden, generator=generator) / hidden**0.5,

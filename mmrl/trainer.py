@@ -50,7 +50,7 @@ from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerErr
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
-from mmrl.models import load_policy, load_processor, resolve_dtype
+from mmrl.models import family_of, load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.warmup import format_warmup
@@ -684,7 +684,7 @@ def build_datasets(
 ) -> tuple[PromptDataset, list[PromptSample]]:
     """The training set (prepared lazily, row by row) and the prepared validation samples."""
     d = cfg.data
-    vcfg = model_config.vision_config
+    grid = family_of(model_config).grid()
     budget = image_budget(d, model_config)
     try:
         video_budget = VideoBudget(
@@ -693,9 +693,9 @@ def build_datasets(
             min_pixels=d.video_min_pixels,
             max_pixels=d.video_max_pixels,
             max_total_pixels=d.video_max_total_pixels,
-            patch_size=vcfg.patch_size,
-            merge_size=vcfg.spatial_merge_size,
-            temporal_patch_size=vcfg.temporal_patch_size,
+            patch_size=grid.patch,
+            merge_size=grid.merge,
+            temporal_patch_size=grid.temporal,
         )
     except ValueError as err:
         raise ConfigError(f"data.video_*: {err}") from None

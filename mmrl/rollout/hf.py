@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 from mmrl.algorithms import block_tokens, logprobs_from_logits
 from mmrl.batch import Batch
 from mmrl.data import PromptSample
-from mmrl.models import autocast_for, never_generated_ids
+from mmrl.models import autocast_for, family_of, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import SamplingParams
 
 
@@ -58,7 +58,7 @@ class HFEngine:
         self.model = model
         self.compute_dtype = compute_dtype
         self.synced_gpus = synced_gpus
-        self.tokenizer = processor.tokenizer
+        self.tokenizer = tokenizer_of(processor)
         cfg = model.config
         self.blocked = never_generated_ids(cfg)
         eos = model.generation_config.eos_token_id
@@ -70,9 +70,8 @@ class HFEngine:
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
         device = next(self.model.parameters()).device
         ids, mask = left_pad([p.prompt_ids for p in prompts], self.tokenizer.pad_token_id)
-        cfg = self.model.config  # token types: 0 text, 1 image, 2 video
-        mm_types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-        extra = {k: v.to(device) for k, v in vision_inputs(prompts).items()}
+        extra = family_of(self.model).generate_inputs(ids, vision_inputs(prompts))
+        extra = {k: v.to(device) for k, v in extra.items()}
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
         was_training = self.model.training
         self.model.eval()
@@ -80,7 +79,6 @@ class HFEngine:
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
-                mm_token_type_ids=mm_types.to(device),
                 **extra,
                 generation_config=self._generation_config(params, stop),
                 synced_gpus=self.synced_gpus,

@@ -11,7 +11,7 @@ assuming it.
 
 vLLM lays out mRoPE ids after a video differently from transformers (`processors.rope`), so every
 returned row carries the engine's `PositionRule` and the trainer computes log-probs at vLLM's
-positions (`mmrl.actor._positions`).
+positions (`mmrl.actor.response_hidden`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mmrl.batch import Batch
 from mmrl.config import VLLMConfig
 from mmrl.data import PromptSample
 from mmrl.lora import merged_state
-from mmrl.models import never_generated_ids
+from mmrl.models import family_of, model_folder, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import POSITION_RULE, SamplingParams
 from processors import PositionRule, Video, keep_frames_kwargs
 
@@ -49,18 +49,15 @@ def vllm_available() -> bool:
 
 def checkpoint_names(model: Any) -> Any:
     """The policy's tensors under the names its saved checkpoint uses (what vLLM's loader expects),
-    yielded one at a time. transformers nests the language model as `model.language_model.*` in memory
-    but saves it as `model.*`; a tied LM head is not saved at all. LoRA adapters arrive folded into
+    yielded one at a time. Some families save under older names than they hold in memory
+    (`Family.saved_name`); a tied LM head is not saved at all. LoRA adapters arrive folded into
     their base weights (merge-and-sync)."""
+    family = family_of(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, tensor in merged_state(model):
         if tied and name == "lm_head.weight":
             continue
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model.") :]
-        elif name.startswith("model.visual."):
-            name = name[len("model.") :]
-        yield name, tensor
+        yield family.saved_name(name), tensor
 
 
 def collapse_pads(ids: list[int], pads: tuple[int, ...]) -> list[int]:
@@ -107,11 +104,11 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.model = model
-        self.tokenizer = processor.tokenizer
+        self.tokenizer = tokenizer_of(processor)
         self.settings = settings
         self.compute_dtype = compute_dtype
         cfg = model.config
-        self.pads = (cfg.image_token_id, cfg.video_token_id)
+        self.pads = tuple(family_of(cfg).media_token_ids().values())
         self.position_rule = PositionRule("vllm", compute_dtype)
         self.blocked = never_generated_ids(cfg)
         eos = model.generation_config.eos_token_id
@@ -124,7 +121,7 @@ class VLLMEngine:
         # requests use the engine's own RNG, seeded once from `seed`.
         self.per_request_seeds = not current_platform.is_cpu()
         self.llm = LLM(
-            model=str(model_path),
+            model=str(model_folder(model_path)),
             dtype=compute_dtype,
             seed=seed,
             max_model_len=settings.max_model_len,

@@ -109,7 +109,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             raise ValueError("sft.success_only: no demo succeeded; lower sft.noise or add demos")
         model_config = AutoConfig.from_pretrained(sft.base_model)
         tokenizer = ActionTokenizer.for_vocab(
-            model_config.text_config.vocab_size,
+            model_config.get_text_config().vocab_size,
             used[0].actions.shape[1],
             n_bins=env.n_bins,
             chunk=env.chunk,

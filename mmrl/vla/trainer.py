@@ -73,7 +73,7 @@ class EpisodeTrainer(Trainer):
         self.val_samples = []
         self.envs = make_envs(cfg, max(cfg.data.train_batch_size * cfg.rollout.n, cfg.env.val_episodes))
         self.action_tokenizer = episode_tokenizer(
-            cfg, cfg.model.path, model_config.text_config.vocab_size, self.envs.action_dim
+            cfg, cfg.model.path, model_config.get_text_config().vocab_size, self.envs.action_dim
         )
         self.prompts = ObservationPrompts(
             self.processor, image_budget(cfg.data, model_config), cfg.env.prompt

@@ -1,8 +1,8 @@
 """FSDP2 for the policy: the process group, which modules become shards, and whole-model state.
 
-Every decoder layer and every vision block is its own FSDP unit, so only one layer is ever
-gathered at a time; the root unit holds the rest (embeddings, tied LM head, norms, patch
-embedding and merger). Gradients are summed, not averaged, across ranks: each rank's loss is
+Every decoder layer and every vision block is its own FSDP unit (`Family.fsdp_units`), so only
+one layer is ever gathered at a time; the root unit holds the rest (embeddings, tied LM head,
+norms, patch embedding and merger). Gradients are summed, not averaged, across ranks: each rank's loss is
 already divided by the whole mini-batch's totals (`optim.MiniBatch`), so the sum is exactly the
 one-process gradient.
 """
@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from mmrl.actor import SHARDED_LOGITS, response_hidden
+from mmrl.models import family_of
 
 
 def init_process_group(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> torch.device:
@@ -53,10 +54,8 @@ def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in model.model.visual.blocks:
-        fully_shard(block, **kwargs)
-    for layer in model.model.language_model.layers:
-        fully_shard(layer, **kwargs)
+    for unit in family_of(model).fsdp_units(model):
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):

@@ -1,0 +1,42 @@
+"""Model families behind one adapter (`family_of`), loading from folders or hub ids, and tiny builds.
+
+Each family module registers its adapter on import; the import order below is the order the
+README's supported-models table lists them in.
+"""
+
+from mmrl.models import qwen2_5_vl  # noqa: F401  (registers the family)
+from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
+from mmrl.models.loading import (
+    SHARDED_MARKER,
+    autocast_for,
+    load_config,
+    load_policy,
+    load_processor,
+    model_folder,
+    never_generated_ids,
+    resolve_dtype,
+    tokenizer_of,
+)
+from mmrl.models.tiny import CHAT_TEMPLATE, DEFAULT_FAMILY, build_tiny, build_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DEFAULT_FAMILY",
+    "FAMILIES",
+    "SHARDED_MARKER",
+    "Family",
+    "Grid",
+    "UnsupportedModelError",
+    "autocast_for",
+    "build_tiny",
+    "build_tokenizer",
+    "family_of",
+    "load_config",
+    "load_policy",
+    "load_processor",
+    "model_folder",
+    "never_generated_ids",
+    "register",
+    "resolve_dtype",
+    "tokenizer_of",
+]

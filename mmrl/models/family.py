@@ -1,0 +1,222 @@
+"""The model-family adapter: everything that differs between the model families mmrl trains.
+
+The rest of mmrl never names a model class. It asks the family of a config (`family_of`) for the
+class to load, the training forward, position ids, the pixel grid, video placeholders, FSDP units,
+LoRA prefixes and the names weights are saved under. `Family` holds the Qwen-VL behaviour most
+families share; each family module overrides only what its models do differently and registers
+itself with `@register`. Adding a family is one module and one import in `mmrl/models/__init__.py`
+(`docs/adding_a_model.md`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from processors import TRANSFORMERS_RULE, PositionRule, Video, mrope_position_ids
+
+FAMILIES: dict[str, type[Family]] = {}  # config.json `model_type` -> family
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose `model_type` no family handles."""
+
+
+def register(family: type[Family]) -> type[Family]:
+    """Class decorator: the family serves every `model_type` it lists."""
+    for model_type in family.model_types:
+        FAMILIES[model_type] = family
+    return family
+
+
+def family_of(config: Any) -> Family:
+    """The family adapter for a model config (or a model, or anything with `.config`)."""
+    config = getattr(config, "config", config)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not a supported model family. Supported: "
+            f"{', '.join(sorted(FAMILIES))}. To add one, see docs/adding_a_model.md."
+        )
+    return family(config)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The vision tower's patch grid: the side of a patch, the spatial merge, and frames per temporal patch."""
+
+    patch: int
+    merge: int
+    temporal: int
+
+    @property
+    def factor(self) -> int:
+        """Image sides are multiples of this (28 for Qwen2.5-VL, 32 for Qwen3-VL)."""
+        return self.patch * self.merge
+
+
+class Family:
+    """A Qwen-VL-style family: a vision tower whose features replace placeholder tokens, and mRoPE.
+
+    An instance wraps one model config; class attributes describe the family."""
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    model_class: ClassVar[str]  # the transformers class that loads the checkpoint, by name
+    takes_images: ClassVar[bool] = True
+    takes_video: ClassVar[bool] = True
+    tiny_grid_factor: ClassVar[int] = 28  # patch x merge of the tiny build, for its default pixel budget
+    # transformers saves some families' weights under older names than it holds in memory; vLLM
+    # loads the saved names. Prefixes in memory -> saved.
+    saved_prefixes: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load_class(cls) -> type[nn.Module]:
+        import transformers
+
+        return getattr(transformers, cls.model_class)
+
+    @property
+    def text_config(self) -> Any:
+        return self.config.get_text_config()
+
+    # ------------------------------------------------------------------ media
+    def grid(self) -> Grid:
+        vision = self.config.vision_config
+        return Grid(vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+
+    def media_token_ids(self) -> dict[str, int]:
+        """Placeholder token per media kind; the engines and the trainer never let the policy emit them."""
+        cfg = self.config
+        return {"image": cfg.image_token_id, "video": cfg.video_token_id}
+
+    def never_generated_ids(self) -> list[int]:
+        """Vision placeholder and delimiter tokens: sampling one would break the positions and media
+        slots of the next forward, so engines block them and the trainer's log-probs exclude them."""
+        cfg = self.config
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        return [i for i in (getattr(cfg, n, None) for n in names) if i is not None]
+
+    def video_block(self, video: Video, tokens_per_frame_group: int, groups: int) -> str:
+        """The text that stands for one video in a prompt: what the chat template's
+        `<|vision_start|><|video_pad|><|vision_end|>` becomes once expanded."""
+        return "<|vision_start|>" + "<|video_pad|>" * (tokens_per_frame_group * groups) + "<|vision_end|>"
+
+    # ------------------------------------------------------------------ positions
+    def position_ids(
+        self,
+        prompts: Sequence[Any],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
+    ) -> torch.Tensor:
+        """Position ids of prompt + response rows as the engine that sampled them laid them out."""
+        images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
+        videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
+        seconds = [p.second_per_grid_ts for p in prompts if p.second_per_grid_ts is not None]
+        cfg = self.config
+        return mrope_position_ids(
+            input_ids,
+            attention,
+            torch.cat(images) if images else None,
+            image_token_id=cfg.image_token_id,
+            video_token_id=cfg.video_token_id,
+            spatial_merge_size=cfg.vision_config.spatial_merge_size,
+            video_grid_thw=torch.cat(videos) if videos else None,
+            second_per_grid_ts=torch.cat(seconds) if seconds else None,
+            tokens_per_second=getattr(cfg.vision_config, "tokens_per_second", 1.0),
+            rules=rules,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:
+        """The vision tower's output for a set of images (or videos), one entry per item in every field."""
+        device = next(model.parameters()).device
+        encode = model.model.get_video_features if video else model.model.get_image_features
+        return encode(pixels.to(device), grids.to(device))
+
+    def select_media(self, encoded: Any, items: Sequence[int]) -> Any:
+        """`encoded` (from `encode_media`) reduced to the listed items, in that order, repeats allowed:
+        how the n responses of a prompt share one encoding of its media. Every per-item field goes
+        along (DeepStack's per-layer features too), so dropping one cannot happen silently."""
+        fields = {"pooler_output": tuple(encoded.pooler_output[i] for i in items)}
+        deepstack = getattr(encoded, "deepstack_features", None)
+        if deepstack is not None:
+            fields["deepstack_features"] = [tuple(layer[i] for i in items) for layer in deepstack]
+        return type(encoded)(**fields)
+
+    def hidden_states(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        media: dict[str, Any],
+    ) -> torch.Tensor:
+        """Last hidden states of the model's own forward, with the media encoded beforehand
+        (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path."""
+        return model.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            mm_encoder_outputs=media or None,
+            use_cache=False,
+        ).last_hidden_state
+
+    def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Keyword arguments for `model.generate` besides ids and mask."""
+        ids = self.media_token_ids()
+        types = (input_ids == ids["image"]).int() + 2 * (input_ids == ids["video"]).int()
+        return {"mm_token_type_ids": types, **vision}
+
+    # ------------------------------------------------------------------ structure
+    def language_model(self, model: Any) -> nn.Module:
+        return model.model.language_model
+
+    def fsdp_units(self, model: Any) -> list[nn.Module]:
+        """Modules that become FSDP units: every vision block and decoder layer (MoE experts
+        included), so one layer is gathered at a time."""
+        return [*model.model.visual.blocks, *self.language_model(model).layers]
+
+    def lora_prefixes(self, include_vision: bool) -> tuple[str, ...]:
+        """Module name prefixes whose linear layers may get LoRA adapters."""
+        return ("model.language_model.", *(("model.visual.",) if include_vision else ()))
+
+    def saved_name(self, name: str) -> str:
+        """A parameter's in-memory name as its saved checkpoint (and so vLLM's loader) spells it."""
+        for memory, saved in self.saved_prefixes.items():
+            if name.startswith(memory):
+                return saved + name[len(memory) :]
+        return name
+
+    # ------------------------------------------------------------------ tiny models
+    @classmethod
+    def tiny_config(cls, tokenizer: Any) -> Any:
+        """A ~1M-parameter config of the real architecture (for CPU tests and the quickstart)."""
+        raise NotImplementedError
+
+    @classmethod
+    def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
+        """The processor a real checkpoint of this family ships (image and video processors, tokenizer)."""
+        raise NotImplementedError
+
+
+def write_tiny(family: type[Family], out: Path, tokenizer: Any, processor: Any, seed: int) -> nn.Module:
+    """Random-init weights of `family`'s tiny config, saved with `processor` in `out`."""
+    torch.manual_seed(seed)
+    model = family.load_class()(family.tiny_config(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return model

@@ -1,0 +1,110 @@
+"""Loading a policy and its processor from a folder or a hub id, and the dtype rules around them."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedModel
+
+from mmrl.models.family import family_of
+
+SHARDED_MARKER = "mmrl_sharded.json"  # in a checkpoint's model/ folder: the weights are FSDP shards in dcp/
+
+
+def model_folder(path: str | Path) -> Path:
+    """The local folder of a model: `path` itself when it is a folder, else a hub id resolved through
+    the Hugging Face cache (downloaded when online; with `HF_HUB_OFFLINE=1`, the cache only)."""
+    local = Path(path)
+    if local.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        return _checked(local)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path)))
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+        why = "HF_HUB_OFFLINE is set, so only the cache was searched" if offline else "the hub is unreachable"
+        raise FileNotFoundError(
+            f"model.path {path!r} is neither a local folder nor in the Hugging Face cache, and {why}. "
+            f"Download it with `huggingface-cli download {path}` (where the hub is reachable; copy the cache "
+            f"over if needed), build a tiny model there with `mmrl model init-tiny {path}`, or point "
+            "model.path at a model folder."
+        ) from None
+    except Exception as err:  # a misspelt id, a private repo, a network error
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local folder, and fetching it as a hub id failed ({err}). "
+            f"Check the spelling, download it with `huggingface-cli download {path}`, or build a tiny "
+            f"model there with `mmrl model init-tiny {path}`."
+        ) from None
+
+
+def _checked(path: Path) -> Path:
+    if (path / SHARDED_MARKER).exists():
+        raise FileNotFoundError(
+            f"{path} holds FSDP shards written by Ray workers, not a transformers model. Convert it once with "
+            f"`mmrl export {path.parent} <out_dir>` and use <out_dir>."
+        )
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path: no model checkpoint at {path} (config.json missing). Build a tiny one with "
+            f"`mmrl model init-tiny {path}`, or point model.path at a model folder or a hub id "
+            "(the README lists the supported families)."
+        )
+    return path
+
+
+def load_config(path: str | Path) -> Any:
+    """The checkpoint's config, with its family checked (an unsupported one stops here)."""
+    config = AutoConfig.from_pretrained(model_folder(path))
+    family_of(config)
+    return config
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+    """Load a checkpoint (a folder or a hub id, tiny or real) of any supported family."""
+    folder = model_folder(path)
+    family = family_of(AutoConfig.from_pretrained(folder))
+    model = family.load_class().from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device)
+
+
+def load_processor(path: str | Path) -> Any:
+    """The processor saved next to the weights (tokenizer, chat template, image and video processors);
+    a text-only model's is its tokenizer."""
+    folder = model_folder(path)
+    if family_of(AutoConfig.from_pretrained(folder)).takes_images:
+        return AutoProcessor.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def tokenizer_of(processor: Any) -> Any:
+    """The tokenizer inside a processor, or the processor itself for a text-only model."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """`auto` means bf16 on GPUs that support it, fp32 elsewhere (CPU bf16 is slow and noisy)."""
+    if name == "auto":
+        dev = torch.device(device)
+        if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def never_generated_ids(config: Any) -> list[int]:
+    """Tokens the policy must never emit (the family's vision placeholders)."""
+    return family_of(config).never_generated_ids()
+
+
+def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision for forward passes. Trained parameters stay fp32, so AdamW steps of 1e-6
+    are not rounded away as they would be in bf16 weights; the matmuls run in `dtype`."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)

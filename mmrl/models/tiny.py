@@ -1,0 +1,129 @@
+"""Tiny random-init models of every family, for CPU tests and the quickstart.
+
+No hub is needed: `build_tokenizer` trains a byte-level BPE with Qwen's special tokens, and
+`build_tiny` writes a checkpoint folder in the exact layout of a real one of the family (config,
+weights, tokenizer, processor), so loading serves tiny and real models through one code path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import Qwen2TokenizerFast
+
+DEFAULT_FAMILY = "qwen2_5_vl"  # the quickstart's; see the README's supported-models table
+
+# Qwen's special tokens, in Qwen's order, so ids line up with the names a real checkpoint uses.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Plain-text tags the answer formats use; single tokens keep tiny-model responses short.
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "what colour color is the shape how many circles square triangle circle red green blue yellow "
+    "purple orange black white grey one two three four five six seven eight nine ten zero answer "
+    "think image video frame object box point left right up down move moves direction towards away "
+    "find locate the a an of in on at to and or with which where count angle degrees length area "
+    "radius side find value x y z pi sqrt frac boxed cm units reach push block goal target arm "
+    "pick place put arrow dot it are there this that question respond format only word"
+).split()
+
+
+def _tokenizer_corpus() -> list[str]:
+    """Text the tiny BPE is trained on: words, digits, LaTeX and the chat scaffolding."""
+    lines = [" ".join(_WORDS), " ".join(w.capitalize() for w in _WORDS)]
+    lines += [f"{w} " * 3 for w in _WORDS]
+    lines += [" ".join(str(i) for i in range(200)), "0.5 1.25 3.14 -2 +7 = ( ) [ ] { } , . : ; ? ! % ° ^"]
+    lines += ["\\boxed{12} \\frac{1}{2} \\sqrt{3} \\pi 60^\\circ x = 5 \\cdot \\times \\div"]
+    lines += ['{"bbox_2d": [10, 20, 30, 40], "label": "red"}', "user assistant system\n"]
+    return lines * 4
+
+
+def build_tokenizer(vocab_size: int = 1024) -> Qwen2TokenizerFast:
+    """Train a byte-level BPE with Qwen's special tokens and chat template (about a second)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    fast = Qwen2TokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.add_tokens(TAG_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny(
+    out_dir: str | Path,
+    family: str = DEFAULT_FAMILY,
+    seed: int = 0,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> Path:
+    """Write a random-init tiny model of `family` (weights, tokenizer, processor) to `out_dir`.
+
+    Pixel budgets default to 1 to 16 x 16 merged patches of the family's grid (28 px for Qwen2.5-VL,
+    32 px for Qwen3-VL), the range the synthetic tasks draw from."""
+    from mmrl.models.family import FAMILIES, write_tiny
+
+    families = {f.name: f for f in FAMILIES.values()}
+    if family not in families:
+        raise ValueError(
+            f"no tiny builder for family {family!r}; choose one of {', '.join(sorted(families))}"
+        )
+    cls = families[family]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    processor = tokenizer
+    if cls.takes_images:
+        factor = cls.tiny_grid_factor
+        processor = cls.tiny_processor(
+            tokenizer, min_pixels or factor**2, max_pixels or (16 * factor) ** 2, CHAT_TEMPLATE
+        )
+    write_tiny(cls, out, tokenizer, processor, seed)
+    (out / "mmrl_tiny.json").write_text(
+        json.dumps({"seed": seed, "family": family, "built_by": "mmrl model init-tiny"})
+    )
+    return out
