@@ -40,7 +40,9 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field(description="A model folder or hub id of a supported family (README), or `mmrl model init-tiny` output")
+    path: str = Field(
+        description="A model folder or hub id of a supported family (README), or `mmrl model init-tiny` output"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     freeze_vision_tower: bool = False
     gradient_checkpointing: bool = Field(

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,9 +40,9 @@ from processors import (
     fit_image,
     load_image,
     num_image_tokens,
-    num_video_tokens,
     pixel_inputs,
     read_video,
+    video_pad_count,
     video_pixel_inputs,
 )
 from processors.chat import IMAGE_MARKER
@@ -366,7 +367,9 @@ class PromptDataset:
         video_key: str = "videos",
         video_budget: VideoBudget | None = None,
         video_processor: Any = None,
+        video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
     ) -> None:
+        """`video_placeholder` is the model family's (`Family.video_placeholder`)."""
         if data_format not in ("auto", *FORMAT_KEYS):
             raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
         self.format = detect_format(rows) if data_format == "auto" else data_format
@@ -378,6 +381,7 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         self.keys = (prompt_key or default_prompt, answer_key or default_answer, image_key)
         self.video_key, self.video_budget, self.video_processor = video_key, video_budget, video_processor
+        self.video_placeholder = video_placeholder
         self.image_dir = image_dir
         self.system_prompt = system_prompt
         self.template = Template(format_prompt) if format_prompt else None
@@ -393,6 +397,7 @@ class PromptDataset:
         budget: PixelBudget,
         video_budget: VideoBudget | None = None,
         video_processor: Any = None,
+        video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
     ) -> PromptDataset:
         """The dataset of `files` (train or val) read and keyed as the `data` config section says."""
         return cls(
@@ -411,6 +416,7 @@ class PromptDataset:
             video_key=cfg.video_key,
             video_budget=video_budget,
             video_processor=video_processor,
+            video_placeholder=video_placeholder,
         )
 
     @property
@@ -467,7 +473,7 @@ class PromptDataset:
         except ValueError as err:
             raise SkipRow("image_marker_mismatch", str(err)) from None
         counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
-        video_counts = [num_video_tokens(len(v.frames), *v.size, self.video_budget) for v in videos or []]
+        video_counts = [self.video_placeholder(v, self.video_budget) for v in videos or []]
         try:
             ids = encode_prompt(self.tokenizer, messages, counts, video_counts)
         except ValueError as err:  # e.g. a literal image-pad token typed into the question

@@ -684,7 +684,8 @@ def build_datasets(
 ) -> tuple[PromptDataset, list[PromptSample]]:
     """The training set (prepared lazily, row by row) and the prepared validation samples."""
     d = cfg.data
-    grid = family_of(model_config).grid()
+    family = family_of(model_config)
+    grid = family.grid()
     budget = image_budget(d, model_config)
     try:
         video_budget = VideoBudget(
@@ -700,7 +701,7 @@ def build_datasets(
     except ValueError as err:
         raise ConfigError(f"data.video_*: {err}") from None
     tok, images = processor.tokenizer, processor.image_processor
-    videos = (video_budget, getattr(processor, "video_processor", None))
+    videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
     train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
     val: list[PromptSample] = []
     if d.val_files:

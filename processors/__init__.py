@@ -17,8 +17,10 @@ from processors.video import (
     num_video_tokens,
     plan_frames,
     read_video,
+    timestamped_video_text,
     video_frame_size,
     video_grid_thw,
+    video_pad_count,
     video_pixel_inputs,
 )
 from processors.vision import pixel_inputs
@@ -46,7 +48,9 @@ __all__ = [
     "smart_size",
     "split_image_markers",
     "split_media_markers",
+    "timestamped_video_text",
     "video_frame_size",
     "video_grid_thw",
+    "video_pad_count",
     "video_pixel_inputs",
 ]

@@ -72,9 +72,12 @@ def encode_prompt(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tokens_per_image: Sequence[int],
-    tokens_per_video: Sequence[int] = (),
+    tokens_per_video: Sequence[int | str] = (),
 ) -> list[int]:
-    """Render the chat template and tokenise, expanding each image and video pad to its feature count."""
+    """Render the chat template and tokenise, expanding each image and video pad to its feature count.
+
+    A video's entry is its pad count, or the whole text that replaces its pad where the family puts
+    text between frames (Qwen3-VL's timestamps: `processors.video.timestamped_video_text`)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     pieces = re.split(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})", text)
     counts = {IMAGE_PAD: list(tokens_per_image), VIDEO_PAD: list(tokens_per_video)}
@@ -84,5 +87,9 @@ def encode_prompt(
             kind = _KINDS[pad]
             raise ValueError(f"chat template produced {found} {kind} pads for {len(per_item)} {kind}s")
     queues = {pad: iter(per_item) for pad, per_item in counts.items()}
-    expanded = "".join(piece * next(queues[piece]) if piece in queues else piece for piece in pieces)
+    expanded = "".join(_expand(piece, next(queues[piece])) if piece in queues else piece for piece in pieces)
     return tokenizer(expanded, add_special_tokens=False)["input_ids"]
+
+
+def _expand(pad: str, item: int | str) -> str:
+    return item if isinstance(item, str) else pad * item

@@ -141,6 +141,27 @@ def num_video_tokens(num_frames: int, height: int, width: int, budget: VideoBudg
     return num_frames // budget.temporal_patch_size * per_frame
 
 
+def video_pad_count(video: Video, budget: VideoBudget) -> int:
+    """A video's placeholder as Qwen2-VL and Qwen2.5-VL expand it: one pad per token, no text between."""
+    return num_video_tokens(len(video.frames), *video.size, budget)
+
+
+def timestamped_video_text(video: Video, budget: VideoBudget) -> str:
+    """A video's placeholder as Qwen3-VL and Qwen3.5 expand it: each temporal patch is its own
+    `<t seconds><|vision_start|>pads<|vision_end|>`, t the mean time of its frames (1 decimal).
+
+    The frames are taken as indices 0.. of a clip shown at `video.fps`, which is how the vLLM engine
+    hands them over (`mmrl.rollout.vllm.video_item`), so both engines see the same text."""
+    tps = budget.temporal_patch_size
+    per_group = num_video_tokens(tps, *video.size, budget)
+    groups = len(video.frames) // tps
+    text = ""
+    for g in range(groups):
+        seconds = (g * tps + g * tps + tps - 1) / 2 / video.fps
+        text += f"<{seconds:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_group + "<|vision_end|>"
+    return text
+
+
 def read_video(
     source: Any,
     budget: VideoBudget,

@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from processors import TRANSFORMERS_RULE, PositionRule, Video, mrope_position_ids
+from processors import (
+    TRANSFORMERS_RULE,
+    PositionRule,
+    Video,
+    VideoBudget,
+    mrope_position_ids,
+    video_pad_count,
+)
 
 FAMILIES: dict[str, type[Family]] = {}  # config.json `model_type` -> family
 
@@ -107,10 +114,10 @@ class Family:
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         return [i for i in (getattr(cfg, n, None) for n in names) if i is not None]
 
-    def video_block(self, video: Video, tokens_per_frame_group: int, groups: int) -> str:
-        """The text that stands for one video in a prompt: what the chat template's
-        `<|vision_start|><|video_pad|><|vision_end|>` becomes once expanded."""
-        return "<|vision_start|>" + "<|video_pad|>" * (tokens_per_frame_group * groups) + "<|vision_end|>"
+    def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
+        """What one video's `<|video_pad|>` expands to in a prompt (`processors.encode_prompt`): a pad
+        count, or the family's text with frame timestamps."""
+        return video_pad_count(video, budget)
 
     # ------------------------------------------------------------------ positions
     def position_ids(
