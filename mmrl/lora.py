@@ -140,6 +140,7 @@ def export_plain(folder: Path, out: Path) -> Path:
 
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new folder for the export")
+    processor_from = folder
     if (folder / SHARDED_MARKER).exists():
         model = gather_shards(folder)
     elif is_adapter(folder):
@@ -147,8 +148,9 @@ def export_plain(folder: Path, out: Path) -> Path:
 
         base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
         model = PeftModel.from_pretrained(load_policy(base), str(folder)).merge_and_unload()
+        processor_from = base  # an adapter folder may hold the adapter alone
     else:
         model = load_policy(folder)
     model.save_pretrained(out)
-    load_processor(folder).save_pretrained(out)
+    load_processor(processor_from).save_pretrained(out)
     return out

@@ -12,7 +12,7 @@ The two rollout engines lay videos out differently, so each rule is here (`Posit
   from float32 arithmetic; the text after an image or video resumes max(h, w) / merge positions
   after the block's start, whatever its time axis reached; generated tokens continue after the
   last prompt token.
-- vLLM 0.32 (`Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions`): time ids are
+- vLLM 0.32 (its Qwen2.5-VL `get_mrope_input_positions`): time ids are
   truncated from float64 arithmetic on `second_per_grid_ts` already cast to the model dtype; every
   text run starts at 1 + the largest id so far on any axis, time axis included, and generated
   tokens at 1 + the prompt's largest id.

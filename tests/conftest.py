@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny Qwen2.5-VL checkpoint per test session, built locally (no hub)."""
+"""Shared fixtures: tiny random-init checkpoints (one per family and test session), built locally (no hub)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmrl.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory: pytest.TempPathFactory):
+    """`tiny_family_dir(name)`: one tiny random-init model of family `name` per test session."""
+    from mmrl.models import build_tiny
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny(tmp_path_factory.mktemp(f"tiny_{family}") / "model", family=family)
+        return built[family]
+
+    return get
 
 
 # Minutes-long tests go first, longest first: under `pytest -n` a long test that starts last runs alone on

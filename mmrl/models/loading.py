@@ -20,7 +20,7 @@ def model_folder(path: str | Path) -> Path:
     the Hugging Face cache (downloaded when online; with `HF_HUB_OFFLINE=1`, the cache only)."""
     local = Path(path)
     if local.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
-        return _checked(local)
+        return local
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -43,7 +43,9 @@ def model_folder(path: str | Path) -> Path:
         ) from None
 
 
-def _checked(path: Path) -> Path:
+def checked_folder(path: str | Path) -> Path:
+    """`model_folder(path)`, which must hold a transformers model."""
+    path = model_folder(path)
     if (path / SHARDED_MARKER).exists():
         raise FileNotFoundError(
             f"{path} holds FSDP shards written by Ray workers, not a transformers model. Convert it once with "
@@ -60,14 +62,14 @@ def _checked(path: Path) -> Path:
 
 def load_config(path: str | Path) -> Any:
     """The checkpoint's config, with its family checked (an unsupported one stops here)."""
-    config = AutoConfig.from_pretrained(model_folder(path))
+    config = AutoConfig.from_pretrained(checked_folder(path))
     family_of(config)
     return config
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
     """Load a checkpoint (a folder or a hub id, tiny or real) of any supported family."""
-    folder = model_folder(path)
+    folder = checked_folder(path)
     family = family_of(AutoConfig.from_pretrained(folder))
     model = family.load_class().from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     return model.to(device)
