@@ -81,11 +81,15 @@ def _one_process_update(cfg, batch, plan) -> tuple[dict[str, torch.Tensor], torc
     return {k: v for k, v in model.state_dict().items() if peft is None or k in trainable}, base_logprobs
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_fsdp_workers_update_exactly_like_one_process(local_ray, tmp_path, tiny_model_dir, lora) -> None:
+def test_two_fsdp_workers_update_exactly_like_one_process(
+    local_ray, tmp_path, tiny_family_dir, family, lora
+) -> None:
+    """Per family: its FSDP units (`Family.fsdp_units`, MoE experts inside their layers) and LoRA prefixes."""
     generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
     extra = ["model.lora.rank=4"] if lora else []
-    cfg = _cfg(tiny_model_dir, tmp_path / "data", *extra)
+    cfg = _cfg(tiny_family_dir(family), tmp_path / "data", *extra)
     batch = _scored_batch(cfg)
     torch.manual_seed(1)
     plan = update_plan(cfg, batch)

@@ -1,0 +1,57 @@
+"""The recipes of the newer families as written, on CPU: each runs 2 steps with its family's tiny model
+swapped in and only the overrides a CPU-sized run needs (paths, batch sizes, lengths, one process instead
+of a GPU node). The recipes' engine, LoRA, pixel budgets, prompts, rewards and KL run as written."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmrl.cli import main
+from mmrl.logger import read_metrics
+from mmrl.synthetic_geometry import generate_geometry
+
+CPU_OVERRIDES = [
+    "trainer.device=cpu",
+    "model.dtype=float32",  # the suite pins ATen to AVX2 (conftest.py), where its bf16 matmuls refuse to run
+    "data.train_batch_size=2",
+    "data.val_batch_size=4",
+    "data.max_val_samples=4",
+    "actor.mini_batch_size=2",
+    "actor.micro_batch_size=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=16",
+    "trainer.n_gpus_per_node=1",  # one process: the GPU node's sharding is tested in test_distributed.py
+    "rollout.vllm.max_model_len=2560",
+    "rollout.vllm.gpu_memory_utilization=0.9",
+    "trainer.total_steps=2",
+    "trainer.val_every=2",
+    "trainer.save_every=0",
+    "trainer.progress=false",
+    "trainer.loggers=[jsonl]",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("recipe", "family"),
+    [("qwen3vl_geo", "qwen3_vl"), ("qwen3vl_4b_geo_lora", "qwen3_vl"), ("qwen35_geo", "qwen3_5")],
+)
+def test_family_recipe_runs_two_steps_on_cpu(recipe, family, tmp_path, tiny_family_dir) -> None:
+    data = tmp_path / "geo"
+    generate_geometry(data, n_train=8, n_val=4, seed=0)
+    run = tmp_path / "run"
+    args = [
+        "train",
+        f"configs/{recipe}.yaml",
+        f"model.path={tiny_family_dir(family)}",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        f"trainer.output_dir={run}",
+        *CPU_OVERRIDES,
+    ]
+    assert main(args) == 0
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all("reward/geometry" in r and "actor/pg_loss" in r for r in steps)
+    assert "val/accuracy" in steps[-1]
