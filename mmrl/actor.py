@@ -23,7 +23,7 @@ from mmrl.algorithms import (
     masked_mean,
 )
 from mmrl.batch import Batch
-from mmrl.config import ActorConfig, Config
+from mmrl.config import ActorConfig, Config, ConfigError
 from mmrl.models import Family, autocast_for, family_of, never_generated_ids
 from mmrl.optim import (
     MiniBatch,
@@ -40,7 +40,9 @@ from processors import TRANSFORMERS_RULE
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
 
-def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
+def response_hidden(
+    model: Any, batch: Batch, pad_id: int, router_losses: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Last hidden states (B, T, H) at the positions that predict each response token.
 
     The shared trunk of the policy's log-probs and the critic's values: position t holds the
@@ -50,7 +52,8 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     Positions follow the engine that sampled each row (`POSITION_RULE`): the trainer's log-probs
     must be of the tokens at the positions they were sampled at, or the PPO ratio compares two
     different inputs. transformers and vLLM place the text after a long video differently
-    (`processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`."""
+    (`processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`.
+    `router_losses` collects a mixture-of-experts model's load-balancing loss (`Family.hidden_states`)."""
     device = next(model.parameters()).device
     family = family_of(model)
     rows = batch["prompt_index"].tolist()
@@ -70,13 +73,15 @@ def response_hidden(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
         if encoded is not None
     }
     hidden = family.hidden_states(
-        model, input_ids.to(device), attention.to(device), positions.to(device), media
+        model, input_ids.to(device), attention.to(device), positions.to(device), media, router_losses
     )
     start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
     return hidden[:, start : start + response.shape[1]]
 
 
-def response_logits(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
+def response_logits(
+    model: Any, batch: Batch, pad_id: int, router_losses: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """LM-head logits (B, T, V) at the response positions.
 
     A policy sharded with FSDP2 carries this computation as a registered forward method
@@ -84,8 +89,8 @@ def response_logits(model: Any, batch: Batch, pad_id: int) -> torch.Tensor:
     reduced after it, as for `forward` itself."""
     sharded = getattr(model, SHARDED_LOGITS, None)
     if sharded is not None:
-        return sharded(batch, pad_id)
-    return model.lm_head(response_hidden(model, batch, pad_id))
+        return sharded(batch, pad_id, router_losses)
+    return model.lm_head(response_hidden(model, batch, pad_id, router_losses))
 
 
 def forward_logprobs(
@@ -95,6 +100,7 @@ def forward_logprobs(
     temperature: float = 1.0,
     with_entropy: bool | Literal["grad"] = False,
     compute_dtype: torch.dtype = torch.float32,
+    router_losses: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
 
@@ -102,7 +108,7 @@ def forward_logprobs(
     softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
     `with_entropy="grad"`."""
     with autocast_for(model, compute_dtype):
-        logits = response_logits(model, batch, pad_id).float() / temperature
+        logits = response_logits(model, batch, pad_id, router_losses).float() / temperature
         logits = block_tokens(logits, never_generated_ids(model.config))
     logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
     entropy = None
@@ -202,6 +208,7 @@ class Actor:
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
         cfg = self.cfg
+        router_losses: list[torch.Tensor] | None = [] if cfg.router_aux_loss_coef else None
         logp, entropy = forward_logprobs(
             self.model,
             micro,
@@ -209,6 +216,7 @@ class Actor:
             self.temperature,
             with_entropy="grad" if cfg.entropy_coef else True,
             compute_dtype=self.compute_dtype,
+            router_losses=router_losses,
         )
         device = logp.device
         mask = micro["response_mask"].to(device).float()
@@ -241,6 +249,10 @@ class Actor:
             )
             loss = loss + cfg.kl_loss_coef * kl
             stats["actor/kl_loss"] = float(kl.detach())
+        if router_losses:  # a micro-batch's share of the mini-batch's load-balancing loss
+            router = router_losses[0] * len(micro) / totals["num_seqs"]
+            loss = loss + cfg.router_aux_loss_coef * router
+            stats["actor/router_aux_loss"] = float(router.detach())
         loss.backward()
         stats.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
         return per_minibatch(stats, len(micro), totals)
@@ -253,6 +265,12 @@ def optimizer_steps(cfg: Config, epochs: int) -> int:
 
 def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype) -> Actor:
     """The run's actor over `model`'s trainable parameters (all of them, or the LoRA adapters)."""
+    family = family_of(model)
+    if cfg.actor.router_aux_loss_coef and not family.mixture_of_experts:
+        raise ConfigError(
+            f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef}: {family.name} models have no "
+            "experts to balance; set it to 0"
+        )
     return Actor(
         model,
         cfg.actor,

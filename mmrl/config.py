@@ -231,6 +231,12 @@ class ActorConfig(_OptimSection):
     kl_loss_coef: float = Field(0.01, ge=0)
     kl_loss_type: KLEstimatorName = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0)
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Mixture-of-experts models: weight of the router's load-balancing loss (0: off, "
+        "as in EasyR1 and verl; 0.001 is the pre-training value)",
+    )
     offload: bool = Field(
         False,
         description="With Ray workers (FSDP2): keep parameters, gradients and AdamW state in CPU memory",

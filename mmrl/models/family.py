@@ -10,6 +10,7 @@ itself with `@register`. Adding a family is one module and one import in `mmrl/m
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ class Family:
     model_class: ClassVar[str]  # the transformers class that loads the checkpoint, by name
     takes_images: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
+    mixture_of_experts: ClassVar[bool] = False
     tiny_grid_factor: ClassVar[int] = 28  # patch x merge of the tiny build, for its default pixel budget
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
@@ -169,16 +171,36 @@ class Family:
         attention: torch.Tensor,
         positions: torch.Tensor,
         media: dict[str, Any],
+        router_losses: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Last hidden states of the model's own forward, with the media encoded beforehand
-        (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path."""
-        return model.model(
+        (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path.
+        A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss."""
+        extra = {"output_router_logits": True} if router_losses is not None else {}
+        out = model.model(
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
             mm_encoder_outputs=media or None,
             use_cache=False,
-        ).last_hidden_state
+            **extra,
+        )
+        if router_losses is not None:
+            router_losses.append(self.router_loss(out.router_logits, attention))
+        return out.last_hidden_state
+
+    def router_loss(self, router_logits: tuple[torch.Tensor, ...], attention: torch.Tensor) -> torch.Tensor:
+        """The Switch-Transformer load-balancing loss over every MoE layer, as the model's own
+        `load_balancing_loss_func` computes it in pre-training (padding excluded)."""
+        if not self.mixture_of_experts:
+            raise ValueError(f"{self.name} has no experts: set actor.router_aux_loss_coef to 0")
+        module = importlib.import_module(
+            f"transformers.models.{self.config.model_type}.modeling_{self.config.model_type}"
+        )
+        text = self.text_config
+        return module.load_balancing_loss_func(
+            router_logits, text.num_experts, text.num_experts_per_tok, attention
+        )
 
     def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Keyword arguments for `model.generate` besides ids and mask."""
