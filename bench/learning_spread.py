@@ -42,7 +42,8 @@ torch.set_num_threads({threads})
 from mmrl.models import build_tiny
 from learning_runs import RUNS, train, validations
 root = Path({root!r})
-records = train({name!r}, root, build_tiny(root / "tiny-model", seed=0), seed={seed}, extra={extra!r})
+model = build_tiny(root / "tiny-model", family=RUNS[{name!r}].family, seed=0)
+records = train({name!r}, root, model, seed={seed}, extra={extra!r})
 print("RESULT " + json.dumps(validations(records, RUNS[{name!r}].metric)))
 """
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from mmrl.cli import main
 from mmrl.logger import read_metrics
+from mmrl.models import DEFAULT_FAMILY
 from mmrl.synthetic import COLOURS, generate
 from mmrl.synthetic_video import generate_motion
 
@@ -61,6 +62,7 @@ class LearningRun:
     min_gain: float
     overrides: tuple[str, ...] = ()
     metric: str = "val/accuracy"
+    family: str = DEFAULT_FAMILY  # of the tiny random-init model the run starts from
 
 
 # Each threshold keeps a margin below the worst gain in held-out accuracy measured for its run over seeds
