@@ -355,7 +355,7 @@ class PromptDataset:
         tokenizer: Any,
         image_processor: Any,
         *,
-        budget: PixelBudget,
+        budget: PixelBudget | None,
         max_prompt_length: int,
         data_format: str = "auto",
         prompt_key: str | None = None,
@@ -369,7 +369,8 @@ class PromptDataset:
         video_processor: Any = None,
         video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
     ) -> None:
-        """`video_placeholder` is the model family's (`Family.video_placeholder`)."""
+        """`video_placeholder` is the model family's (`Family.video_placeholder`). A text-only
+        model's dataset has no image processor and no pixel budget (None)."""
         if data_format not in ("auto", *FORMAT_KEYS):
             raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
         self.format = detect_format(rows) if data_format == "auto" else data_format
@@ -394,7 +395,7 @@ class PromptDataset:
         cfg: DataConfig,
         tokenizer: Any,
         image_processor: Any,
-        budget: PixelBudget,
+        budget: PixelBudget | None,
         video_budget: VideoBudget | None = None,
         video_processor: Any = None,
         video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
@@ -417,6 +418,16 @@ class PromptDataset:
             video_budget=video_budget,
             video_processor=video_processor,
             video_placeholder=video_placeholder,
+        )
+
+    def media_rows(self) -> int:
+        """How many rows name images or videos (a text-only model can use none of them)."""
+        _, _, image_key = self.keys
+        return sum(
+            1
+            for row, _ in self.rows
+            if "__bad__" not in row
+            and not (_is_empty(lookup(row, image_key)) and _is_empty(lookup(row, self.video_key)))
         )
 
     @property
@@ -458,6 +469,10 @@ class PromptDataset:
         if not isinstance(sources, list):
             sources = [sources]
         base = Path(self.image_dir) if self.image_dir else folder
+        if sources and self.budget is None:
+            raise SkipRow(
+                "bad_image", "this dataset was built without an image processor (a text-only model)"
+            )
         try:
             images = [load_image(src, base_dir=base) for src in sources]
             fitted = [fit_image(image, self.budget) for image in images]
@@ -508,6 +523,8 @@ class PromptDataset:
         sources = lookup(row, self.video_key)
         if sources is None:
             return None
+        if isinstance(sources, list) and not sources:
+            return []
         if self.video_budget is None or self.video_processor is None:
             raise SkipRow("bad_video", "this dataset was built without a video budget and processor")
         if not isinstance(sources, list) or (sources and not isinstance(sources[0], (str, bytes, dict))):

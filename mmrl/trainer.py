@@ -50,7 +50,7 @@ from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerErr
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
-from mmrl.models import family_of, load_policy, load_processor, resolve_dtype
+from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.warmup import format_warmup
@@ -93,7 +93,7 @@ class Trainer:
         # Trained weights stay fp32; `model.dtype` sets the compute precision (autocast).
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
         self.processor = load_processor(cfg.model.path)
-        self.pad_id = self.processor.tokenizer.pad_token_id
+        self.pad_id = tokenizer_of(self.processor).pad_token_id
         # With Ray workers the policy lives in them (FSDP2 shards); the controller holds no weights.
         self.workers: PolicyGroup | None = None
         self.model: Any = None
@@ -519,7 +519,7 @@ class Trainer:
     def _warmup(self, model: Any) -> None:
         samples = self.train_set.prepare_all(limit=512)
         losses = format_warmup(
-            model, self.processor.tokenizer, samples, self.cfg.warmup, self.cfg.trainer.seed
+            model, tokenizer_of(self.processor), samples, self.cfg.warmup, self.cfg.trainer.seed
         )
         model.save_pretrained(self.run_dir / "warmup_model")  # the RL starting point, and the KL reference
         self.processor.save_pretrained(
@@ -682,9 +682,26 @@ class Trainer:
 def build_datasets(
     cfg: Config, processor: Any, model_config: Any
 ) -> tuple[PromptDataset, list[PromptSample]]:
-    """The training set (prepared lazily, row by row) and the prepared validation samples."""
+    """The training set (prepared lazily, row by row) and the prepared validation samples.
+
+    A text-only model's processor is its tokenizer: its datasets have no pixel budgets, and rows
+    with images or videos are refused here, before any training, rather than skipped one by one."""
     d = cfg.data
     family = family_of(model_config)
+    tok = tokenizer_of(processor)
+    if not family.takes_images:
+        train = PromptDataset.from_config(d.train_files, d, tok, None, None)
+        val_set = PromptDataset.from_config(d.val_files, d, tok, None, None) if d.val_files else None
+        for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
+            media = dataset.media_rows() if dataset is not None else 0
+            if media:
+                raise ConfigError(
+                    f"data.{name}_files ({', '.join(map(str, files))}): {media} of {len(dataset)} rows have "
+                    f"images or videos, but model.path {cfg.model.path} is a text-only model "
+                    f"({model_config.model_type}, family {family.name}) that cannot see them. Remove those "
+                    "rows (or their image/video columns), or train a vision-language model."
+                )
+        return train, _prepared_val(val_set, d.max_val_samples)
     grid = family.grid()
     budget = image_budget(d, model_config)
     try:
@@ -700,16 +717,20 @@ def build_datasets(
         )
     except ValueError as err:
         raise ConfigError(f"data.video_*: {err}") from None
-    tok, images = processor.tokenizer, processor.image_processor
+    images = processor.image_processor
     videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
     train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
-    val: list[PromptSample] = []
-    if d.val_files:
-        val_set = PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos)
-        val = val_set.prepare_all(d.max_val_samples)
-        if val_set.skipped:
-            log.warning("validation rows skipped: %s", dict(val_set.skipped))
-    return train, val
+    val_set = PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos) if d.val_files else None
+    return train, _prepared_val(val_set, d.max_val_samples)
+
+
+def _prepared_val(val_set: PromptDataset | None, limit: int | None) -> list[PromptSample]:
+    if val_set is None:
+        return []
+    val = val_set.prepare_all(limit)
+    if val_set.skipped:
+        log.warning("validation rows skipped: %s", dict(val_set.skipped))
+    return val
 
 
 def refuse_to_overwrite(run_dir: Path) -> None:

@@ -4,7 +4,11 @@ Each family module registers its adapter on import; the import order below is th
 README's supported-models table lists them in.
 """
 
-from mmrl.models import qwen2_5_vl  # noqa: F401  (registers the family)
+from mmrl.models import (
+    qwen2_5_vl,  # noqa: F401  (registers the family)
+    qwen2_vl,  # noqa: F401
+    text,  # noqa: F401
+)
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
 from mmrl.models.loading import (
     SHARDED_MARKER,

@@ -108,7 +108,8 @@ class VLLMEngine:
         self.settings = settings
         self.compute_dtype = compute_dtype
         cfg = model.config
-        self.pads = tuple(family_of(cfg).media_token_ids().values())
+        family = family_of(cfg)
+        self.pads = tuple(family.media_token_ids().values())
         self.position_rule = PositionRule("vllm", compute_dtype)
         self.blocked = never_generated_ids(cfg)
         eos = model.generation_config.eos_token_id
@@ -134,18 +135,25 @@ class VLLMEngine:
             # The log-probs of the distribution actually sampled from (after temperature), which is
             # what the trainer's softmax(logits / T) computes.
             logprobs_mode="processed_logprobs",
-            limit_mm_per_prompt={"image": 8, "video": 4},
-            # The pixel budget sizes images as `processors.fit_image` did (a no-op on fitted images);
-            # video frames were sized by `processors.video_frame_size` and must stay as they are.
-            mm_processor_kwargs={
-                "min_pixels": min_pixels,
-                "max_pixels": max_pixels,
-                "videos_kwargs": keep_frames_kwargs(processor.video_processor),
-            },
+            **(self._media_options(processor, min_pixels, max_pixels) if family.takes_images else {}),
         )
         self.syncs = 0
         self._unchecked = {"image", "video"}  # media kinds whose placeholder expansion is still to check
         self._asleep = False
+
+    @staticmethod
+    def _media_options(processor: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+        """vLLM options of a vision-language model (a text-only model takes none)."""
+        return {
+            "limit_mm_per_prompt": {"image": 8, "video": 4},
+            # The pixel budget sizes images as `processors.fit_image` did (a no-op on fitted images);
+            # video frames were sized by `processors.video_frame_size` and must stay as they are.
+            "mm_processor_kwargs": {
+                "min_pixels": min_pixels,
+                "max_pixels": max_pixels,
+                "videos_kwargs": keep_frames_kwargs(processor.video_processor),
+            },
+        }
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
@@ -307,8 +315,9 @@ class VLLMEngine:
 
 def _retie_lm_head(model: Any) -> None:
     """After a reload vLLM's tied LM head still computes with the old embedding matrix: on CPU it keeps
-    a packed copy made at load time. Re-tie it and rebuild that copy from the new weights."""
-    lm = model.language_model
+    a packed copy made at load time. Re-tie it and rebuild that copy from the new weights. A
+    vision-language model's causal LM is its `language_model`; a text-only model is one itself."""
+    lm = getattr(model, "language_model", model)
     if lm.lm_head.weight.data_ptr() != lm.model.embed_tokens.weight.data_ptr():
         lm.lm_head.tie_weights(lm.model.embed_tokens)
     lm.lm_head.quant_method.process_weights_after_loading(lm.lm_head)

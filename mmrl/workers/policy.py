@@ -24,7 +24,7 @@ from mmrl.batch import Batch
 from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
-from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype
+from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.optim import MiniBatch, UpdateStats
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
@@ -72,7 +72,7 @@ class PolicyWorker:
             self.ref = shard_policy(ref, self.compute_dtype, cfg.actor.offload)
             if not cfg.actor.offload:
                 self.ref.to(device)
-        self.pad_id = processor.tokenizer.pad_token_id
+        self.pad_id = tokenizer_of(processor).pad_token_id
         self.processor = processor
         self.actor = build_actor(cfg, self.model, self.pad_id, self.compute_dtype)
         if resolve_engine(cfg.rollout.engine) == "vllm":  # each rank its own engine, fed whole weights

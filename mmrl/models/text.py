@@ -1,0 +1,136 @@
+"""Text-only causal language models (Qwen3, Qwen2, Llama) through `AutoModelForCausalLM`.
+
+No vision tower and no mRoPE: one position id per attended token (the attention mask's running
+count minus one, 0 on padding), which is what `generate` gives a left-padded prompt and what vLLM
+gives a prompt without padding, so the trainer's log-probs are of the positions either engine
+sampled at. Datasets for these models hold text rows only (`mmrl.trainer.build_datasets` refuses
+images and videos up front).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from mmrl.models.family import Family, Grid, register
+from mmrl.models.qwen2_5_vl import tiny_text
+from processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget
+
+
+class CausalLM(AutoModelForCausalLM):
+    """`AutoModelForCausalLM`, also callable on a config the way a concrete model class is
+    (`CausalLM(config)`, `CausalLM._from_config(config)`): the concrete class follows `model_type`."""
+
+    def __new__(cls, config: Any, *args: Any, **kwargs: Any) -> Any:
+        return AutoModelForCausalLM.from_config(config, *args, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config: Any, **kwargs: Any) -> Any:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+@register
+class TextLM(Family):
+    name = "text"
+    model_types = ("qwen3", "qwen2", "llama")
+    model_class = "AutoModelForCausalLM"
+    takes_images = False
+    takes_video = False
+    saved_prefixes: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def load_class(cls) -> type[nn.Module]:
+        return CausalLM
+
+    @property
+    def text_config(self) -> Any:
+        return self.config
+
+    # ------------------------------------------------------------------ media: none
+    def grid(self) -> Grid:
+        raise ValueError(
+            f"{self.config.model_type} is a text-only model ({self.name} family): it has no vision tower, "
+            "so no pixel grid; image and video rows cannot be used with it"
+        )
+
+    def media_token_ids(self) -> dict[str, int]:
+        return {}
+
+    def never_generated_ids(self) -> list[int]:
+        return []
+
+    def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
+        self.grid()  # raises: a text model takes no video
+        raise AssertionError("unreachable")
+
+    def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:
+        self.grid()
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ positions
+    def position_ids(
+        self,
+        prompts: Sequence[Any],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
+    ) -> torch.Tensor:
+        """(B, L) positions counting attended tokens only: left padding and the padding after a
+        response get 0; both engines lay text out this way, so `rules` changes nothing."""
+        mask = attention.long()
+        return (mask.cumsum(dim=1) - 1).clamp(min=0) * mask
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        media: dict[str, Any],
+        router_losses: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if media:
+            self.grid()
+        if router_losses is not None:
+            raise ValueError(f"{self.name} models have no experts: set actor.router_aux_loss_coef to 0")
+        out = model.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
+        )
+        return out.last_hidden_state
+
+    def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
+        if vision:
+            self.grid()
+        return {}
+
+    # ------------------------------------------------------------------ structure
+    def language_model(self, model: Any) -> nn.Module:
+        return model.model
+
+    def fsdp_units(self, model: Any) -> list[nn.Module]:
+        return list(model.model.layers)
+
+    def lora_prefixes(self, include_vision: bool) -> tuple[str, ...]:
+        """The decoder (`model.`); there is no vision tower, so `include_vision` changes nothing."""
+        return ("model.",)
+
+    def saved_name(self, name: str) -> str:
+        return name
+
+    # ------------------------------------------------------------------ tiny models
+    @classmethod
+    def tiny_config(cls, tokenizer: Any) -> Qwen3Config:
+        text = tiny_text(tokenizer)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        return Qwen3Config(**text, head_dim=32, tie_word_embeddings=True)
+
+    @classmethod
+    def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
+        """A text model's processor is its tokenizer (with the chat template)."""
+        tokenizer.chat_template = chat_template
+        return tokenizer
