@@ -124,7 +124,7 @@ def gather_shards(folder: Path) -> nn.Module:
         wanted = {n for n, p in model.named_parameters() if p.requires_grad}
     else:
         config = AutoConfig.from_pretrained(folder)
-        model = family_of(config).load_class()._from_config(config, dtype=torch.float32)
+        model = family_of(config).new_model(config)
         wanted = set(model.state_dict())
     state = {k: v for k, v in model.state_dict().items() if k in wanted}
     dcp.load({"model": state}, checkpoint_id=folder / "dcp")  # in place, into the model's own tensors

@@ -100,7 +100,7 @@ class Trainer:
         if not cfg.trainer.uses_workers:
             self.model = load_policy(cfg.model.path, torch.float32, device)
             if cfg.model.freeze_vision_tower:
-                self.model.model.visual.requires_grad_(False)
+                family_of(self.model).freeze_vision(self.model)
             if cfg.model.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -585,7 +585,7 @@ class Trainer:
         with torch.random.fork_rng(devices=_rng_devices()):  # building it must not shift the training RNG
             model = ValueModel.from_policy_weights(start, device)
         if cfg.model.freeze_vision_tower:
-            model.model.visual.requires_grad_(False)
+            family_of(model).freeze_vision(model)
         return Critic(
             model,
             cfg.critic,

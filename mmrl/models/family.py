@@ -48,9 +48,12 @@ def family_of(config: Any) -> Family:
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
+        supported = {}
+        for cls in FAMILIES.values():
+            supported[cls.name] = f"{cls.name} ({', '.join(cls.model_types)})"
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not a supported model family. Supported: "
-            f"{', '.join(sorted(FAMILIES))}. To add one, see docs/adding_a_model.md."
+            f"model_type {model_type!r} is not a supported model family. Supported families (model "
+            f"types): {'; '.join(sorted(supported.values()))}. To add one, see docs/adding_a_model.md."
         )
     return family(config)
 
@@ -94,6 +97,11 @@ class Family:
         import transformers
 
         return getattr(transformers, cls.model_class)
+
+    @classmethod
+    def new_model(cls, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """A randomly initialised model of `config` (tiny builds; the shell FSDP shards load into)."""
+        return cls.load_class()._from_config(config, dtype=dtype)
 
     @property
     def text_config(self) -> Any:
@@ -212,6 +220,10 @@ class Family:
     def language_model(self, model: Any) -> nn.Module:
         return model.model.language_model
 
+    def freeze_vision(self, model: Any) -> None:
+        """`model.freeze_vision_tower`: train the language model only."""
+        model.model.visual.requires_grad_(False)
+
     def fsdp_units(self, model: Any) -> list[nn.Module]:
         """Modules that become FSDP units: every vision block and decoder layer (MoE experts
         included), so one layer is gathered at a time."""
@@ -243,7 +255,7 @@ class Family:
 def write_tiny(family: type[Family], out: Path, tokenizer: Any, processor: Any, seed: int) -> nn.Module:
     """Random-init weights of `family`'s tiny config, saved with `processor` in `out`."""
     torch.manual_seed(seed)
-    model = family.load_class()(family.tiny_config(tokenizer))
+    model = family.new_model(family.tiny_config(tokenizer))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)

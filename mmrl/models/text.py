@@ -16,21 +16,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from mmrl.config import ConfigError
 from mmrl.models.family import Family, Grid, register
 from mmrl.models.qwen2_5_vl import tiny_text
 from processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget
-
-
-class CausalLM(AutoModelForCausalLM):
-    """`AutoModelForCausalLM`, also callable on a config the way a concrete model class is
-    (`CausalLM(config)`, `CausalLM._from_config(config)`): the concrete class follows `model_type`."""
-
-    def __new__(cls, config: Any, *args: Any, **kwargs: Any) -> Any:
-        return AutoModelForCausalLM.from_config(config, *args, **kwargs)
-
-    @classmethod
-    def _from_config(cls, config: Any, **kwargs: Any) -> Any:
-        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 @register
@@ -44,7 +33,11 @@ class TextLM(Family):
 
     @classmethod
     def load_class(cls) -> type[nn.Module]:
-        return CausalLM
+        return AutoModelForCausalLM
+
+    @classmethod
+    def new_model(cls, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
     @property
     def text_config(self) -> Any:
@@ -111,6 +104,12 @@ class TextLM(Family):
     # ------------------------------------------------------------------ structure
     def language_model(self, model: Any) -> nn.Module:
         return model.model
+
+    def freeze_vision(self, model: Any) -> None:
+        raise ConfigError(
+            f"model.freeze_vision_tower: {self.config.model_type} is a text-only model ({self.name} family) "
+            "with no vision tower; set it to false"
+        )
 
     def fsdp_units(self, model: Any) -> list[nn.Module]:
         return list(model.model.layers)

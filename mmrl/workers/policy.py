@@ -24,7 +24,7 @@ from mmrl.batch import Batch
 from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
-from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype, tokenizer_of
+from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.optim import MiniBatch, UpdateStats
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
@@ -59,7 +59,7 @@ class PolicyWorker:
         model = load_policy(cfg.model.path, torch.float32)
         processor = load_processor(cfg.model.path)
         if cfg.model.freeze_vision_tower:
-            model.model.visual.requires_grad_(False)
+            family_of(model).freeze_vision(model)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.peft = apply_lora(model, cfg.model.lora) if cfg.model.lora.rank else None
