@@ -8,6 +8,8 @@ from mmrl.models import (
     qwen2_5_vl,  # noqa: F401  (registers the family)
     qwen2_vl,  # noqa: F401
     qwen3_5,  # noqa: F401  (qwen3_5 and qwen3_5_moe)
+    qwen3_vl,  # noqa: F401
+    qwen3_vl_moe,  # noqa: F401
     text,  # noqa: F401
 )
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register

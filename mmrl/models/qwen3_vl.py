@@ -1,0 +1,173 @@
+"""Qwen3-VL: timestamped video frames, DeepStack vision features, interleaved mRoPE, and its tiny build.
+
+What differs from the `Family` defaults:
+
+- Video text: each temporal patch of a video is its own `<t seconds><|vision_start|>pads<|vision_end|>`
+  (`processors.timestamped_video_text`); time is told by those text tokens, not by the position ids.
+- Position ids: transformers' `get_rope_index` splits every video into one t=1 grid per temporal patch,
+  so a frame's ids are (0, row, col) offset by the running position and the text after it resumes at
+  max(h, w) / merge. vLLM 0.32 (`Qwen3VLForConditionalGeneration._get_mrope_input_positions`) places
+  every image and every frame the same way and resumes text at 1 + the largest id so far, which for a
+  t=1 grid is the same max(h, w) / merge: the two engines' layouts are identical for Qwen3-VL, and
+  generated tokens continue after the prompt's last (text) id in both. Each engine's `PositionRule` is
+  still honoured, through `processors.mrope_position_ids`, which gives both the same ids for t=1 grids.
+  The interleaving of the three axes over the rotary dimensions (`mrope_interleaved`) happens inside
+  the model's rotary embedding; the ids are the usual 3 x B x L.
+- DeepStack: the vision tower returns per-layer features that are added to the first decoder layers'
+  hidden states. The default `encode_media` / `select_media` / `hidden_states` carry them to the model's
+  own forward (`mm_encoder_outputs`); tests/test_family_qwen3_vl.py proves dropping them is caught.
+- Saved names: transformers 5.19 saves Qwen3-VL under the names it holds in memory
+  (`model.language_model.*`, `model.visual.*`), which is what vLLM's loader maps, so no renaming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+from mmrl.models.family import Family, register
+from mmrl.models.qwen2_5_vl import media_ids, tiny_text
+from processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget, mrope_position_ids
+from processors import timestamped_video_text as _timestamped_video_text
+
+
+def frame_grids(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """Each video's (t, h, w) grid as t grids (1, h, w), one per temporal patch, as Qwen3-VL places them."""
+    frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def tiny_vision() -> dict[str, Any]:
+    """The tiny Qwen3-VL vision tower: depth 2, hidden 64, patch 16, DeepStack after both blocks."""
+    return {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 128,  # the language model's hidden size
+        "num_position_embeddings": 256,  # a 16 x 16 learned grid, interpolated to each image
+        "deepstack_visual_indexes": [0, 1],
+    }
+
+
+def tiny_qwen3_text(tokenizer: Any) -> dict[str, Any]:
+    """The shared tiny language model with Qwen3's explicit head_dim and interleaved mRoPE."""
+    text = tiny_text(tokenizer)
+    text["head_dim"] = 32
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+    return text
+
+
+@register
+class Qwen3_VL(Family):
+    name = "qwen3_vl"
+    model_types = ("qwen3_vl",)
+    model_class = "Qwen3VLForConditionalGeneration"
+    tiny_grid_factor = 32
+    # save_pretrained writes the in-memory names (checked in tests/test_family_qwen3_vl.py).
+    saved_prefixes: ClassVar[dict[str, str]] = {}
+
+    def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
+        return _timestamped_video_text(video, budget)
+
+    def position_ids(
+        self,
+        prompts: Sequence[Any],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
+    ) -> torch.Tensor:
+        """`get_rope_index`'s ids: videos as one t=1 grid per temporal patch (the timestamps between
+        them are text), so `second_per_grid_ts` plays no part. Both engines' rules give these ids."""
+        images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
+        videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
+        cfg = self.config
+        return mrope_position_ids(
+            input_ids,
+            attention,
+            torch.cat(images) if images else None,
+            image_token_id=cfg.image_token_id,
+            video_token_id=cfg.video_token_id,
+            spatial_merge_size=cfg.vision_config.spatial_merge_size,
+            video_grid_thw=frame_grids(torch.cat(videos)) if videos else None,
+            second_per_grid_ts=None,  # t=1 grids: every frame's time id is 0
+            rules=rules,
+        )
+
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Prompt ids as vLLM takes them: one `<|video_pad|>` per video and one `<|image_pad|>` per image
+        (vLLM expands each itself). A video's whole timestamped text, `<t seconds><|vision_start|>pads
+        <|vision_end|>` per temporal patch, becomes one pad inside the template's own `<|vision_start|>`
+        and `<|vision_end|>`, which is what vLLM's Qwen3-VL processor replaces. The vLLM engine's
+        `collapse_pads` only cuts pad runs, which leaves a video's frames and timestamps behind."""
+        cfg = self.config
+        start, end = cfg.vision_start_token_id, cfg.vision_end_token_id
+        pads = (cfg.image_token_id, cfg.video_token_id)
+        ids = list(prompt_ids)
+        out: list[int] = []
+        i = 0
+        while i < len(ids):
+            token = ids[i]
+            if token in pads and out and out[-1] == token:
+                i += 1  # an image's pad run: one pad
+                continue
+            out.append(token)
+            i += 1
+            if token == start and i < len(ids) and ids[i] not in (start, *pads):
+                # A timestamped video: skip to its last frame's <|vision_end|>, before the template's own.
+                while i + 1 < len(ids) and not (ids[i] == end and ids[i + 1] == end):
+                    i += 1
+                out.append(cfg.video_token_id)
+                i += 1
+        return out
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor (under its saved name) as the family's released checkpoints lay it out; vLLM's loader
+        takes that layout. Qwen3-VL's is the in-memory one (Qwen3-VL-MoE's experts are not)."""
+        return tensor
+
+    def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Qwen3-VL's forward takes no `second_per_grid_ts` (time is in the timestamp text)."""
+        vision = {k: v for k, v in vision.items() if k != "second_per_grid_ts"}
+        return super().generate_inputs(input_ids, vision)
+
+    @classmethod
+    def tiny_config(cls, tokenizer: Any) -> Any:
+        return Qwen3VLConfig(
+            text_config=tiny_qwen3_text(tokenizer),
+            vision_config=tiny_vision(),
+            **media_ids(tokenizer),
+            tie_word_embeddings=True,
+        )
+
+    @classmethod
+    def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
+        """The real `Qwen3VLProcessor`: images sized within [min_pixels, max_pixels] on the 32 px grid
+        (as `processors.fit_image` sizes them); the video processor's size bounds a whole clip's pixels
+        (Qwen3-VL's convention), here up to 32 frames at `max_pixels`."""
+        return Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessor(
+                size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                patch_size=16,
+                merge_size=2,
+                temporal_patch_size=2,
+                image_mean=[0.5, 0.5, 0.5],
+                image_std=[0.5, 0.5, 0.5],
+            ),
+            video_processor=Qwen3VLVideoProcessor(
+                size={"shortest_edge": min_pixels, "longest_edge": 32 * max_pixels},
+                patch_size=16,
+                merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+        )

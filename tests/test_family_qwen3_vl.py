@@ -1,0 +1,577 @@
+"""Qwen3-VL (`qwen3_vl`) and Qwen3-VL-MoE (`qwen3_vl_moe`): the tiny builds are the real architectures
+saved under the names vLLM loads; positions equal the model's `get_rope_index` and vLLM's own layout
+(videos as one t=1 grid per temporal patch, timestamps as text); the trainer's log-probs equal the HF
+engine's and a plain transformers forward on image, multi-image, video, text-only and mixed prompts, and
+stop doing so without DeepStack's features; the real vLLM engine samples at the trainer's log-probs and
+takes a weight sync after an update; the MoE experts sit inside the FSDP units."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoProcessor
+
+from mmrl.actor import Actor, forward_logprobs
+from mmrl.algorithms import block_tokens
+from mmrl.batch import Batch
+from mmrl.config import ActorConfig, VLLMConfig
+from mmrl.data import PromptSample
+from mmrl.models import Family, family_of, load_policy, load_processor
+from mmrl.optim import plan_minibatches
+from mmrl.rollout import HFEngine, SamplingParams, make_engine
+from mmrl.rollout import vllm as vllm_module
+from mmrl.rollout.base import POSITION_RULE
+from mmrl.rollout.hf import left_pad, vision_inputs
+from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, checkpoint_names, collapse_pads, vllm_available
+from processors import (
+    PixelBudget,
+    PositionRule,
+    VideoBudget,
+    build_messages,
+    encode_prompt,
+    fit_image,
+    keep_frames_kwargs,
+    num_image_tokens,
+    pixel_inputs,
+    read_video,
+    video_pixel_inputs,
+)
+
+FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]
+IMAGES = PixelBudget(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2)
+# 32 px frames: 2 x 2 patches, one merged token per temporal patch.
+VIDEOS = VideoBudget(
+    fps=2.0,
+    max_frames=12,
+    min_pixels=32 * 32,
+    max_pixels=32 * 32,
+    max_total_pixels=12 * 32 * 32,
+    patch_size=16,
+)
+WIDE = VideoBudget(
+    fps=2.0,
+    max_frames=8,
+    min_pixels=32 * 32,
+    max_pixels=64 * 96,
+    max_total_pixels=8 * 64 * 96,
+    patch_size=16,
+)
+
+# name: (text, image sizes, videos as (frames, source fps, frame size))
+PROMPTS = {
+    "image": ("<image>What colour is the shape?", [(128, 128)], []),
+    "images": ("<image> and <image>: which is red?", [(64, 160), (96, 96)], []),
+    "video": ("<video>Which way does it move?", [], [(8, 2.0, (32, 32))]),
+    "text": ("How many circles?", [], []),
+    "mixed": ("Look: <image> then <video> - what changed?", [(96, 64)], [(4, 1.0, (32, 32))]),
+}
+
+
+def _frames(count: int, size: tuple[int, int]) -> np.ndarray:
+    rng = np.random.default_rng(count)
+    return rng.integers(0, 255, (count, size[1], size[0], 3), dtype=np.uint8)
+
+
+def _prompt(
+    processor, family, index: int, name: str, budget: VideoBudget = VIDEOS, spec=None
+) -> PromptSample:
+    """One prompt as the data layer builds it: fitted images, sampled and sized clips, timestamped frames."""
+    text, image_sizes, clips = spec or PROMPTS[name]
+    colours = [(220, 20, 20), (20, 20, 220), (0, 160, 0)]
+    images = [fit_image(Image.new("RGB", s, colours[i % 3]), IMAGES) for i, s in enumerate(image_sizes)]
+    videos = [read_video(_frames(n, size), budget, fps=fps) for n, fps, size in clips]
+    ids = encode_prompt(
+        processor.tokenizer,
+        build_messages(text, len(images), num_videos=len(videos)),
+        [num_image_tokens(i.height, i.width, IMAGES) for i in images],
+        [family.video_placeholder(v, budget) for v in videos],
+    )
+    sample = PromptSample(index, ids, text, "red", images=images)
+    if images:
+        inputs = pixel_inputs(images, processor.image_processor)
+        sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
+    if videos:
+        v = video_pixel_inputs(videos, processor.video_processor)
+        sample.videos = videos
+        sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
+        sample.second_per_grid_ts = v["second_per_grid_ts"]
+    return sample
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_dir(request, tiny_family_dir):
+    return tiny_family_dir(request.param)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_policy(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return load_processor(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(model, processor) -> list[PromptSample]:
+    family = family_of(model)
+    return [_prompt(processor, family, i, name) for i, name in enumerate(PROMPTS)]
+
+
+# ------------------------------------------------------------------ the tiny builds
+def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_loads(model, model_dir) -> None:
+    family = family_of(model)
+    expected = {
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    }
+    assert type(model).__name__ == expected[family.name] == family.model_class
+    assert (family.grid().patch, family.grid().merge, family.grid().temporal) == (16, 2, 2)
+    assert family.grid().factor == family.tiny_grid_factor == 32
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.head_dim) == (128, 2, 32)
+    assert text.rope_parameters["mrope_section"] == [4, 6, 6] and text.rope_parameters["mrope_interleaved"]
+    assert (vision.depth, vision.hidden_size, list(vision.deepstack_visual_indexes)) == (2, 64, [0, 1])
+    assert model.config.tie_word_embeddings
+    assert sum(p.numel() for p in model.parameters()) < 1_500_000
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        saved = set(f.keys())
+    # transformers 5.19 saves Qwen3-VL under its in-memory names (no renaming, unlike Qwen2.5-VL).
+    assert (
+        {name for name, _ in checkpoint_names(model)} == saved == set(model.state_dict()) - {"lm_head.weight"}
+    )
+    assert any(k.startswith("model.visual.deepstack_merger_list.") for k in saved)
+
+
+def test_the_saved_processor_sizes_images_as_fit_image_and_keeps_video_frames(model, model_dir) -> None:
+    processor = AutoProcessor.from_pretrained(model_dir)
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    assert processor.image_processor.patch_size == 16 and processor.video_processor.patch_size == 16
+    size = processor.image_processor.size
+    budget = PixelBudget(size["shortest_edge"], size["longest_edge"], 16, 2)
+    for w, h in [(40, 40), (128, 128), (64, 160), (333, 97), (700, 500), (17, 300)]:
+        raw = Image.new("RGB", (w, h), (200, 30, 30))
+        fitted = fit_image(raw, budget)
+        grid = processor.image_processor(images=[raw], return_tensors="pt")["image_grid_thw"][0].tolist()
+        assert grid == [1, fitted.height // 16, fitted.width // 16], (w, h)
+        assert pixel_inputs([fitted], processor.image_processor)["image_grid_thw"][0].tolist() == grid
+    video = read_video(_frames(6, (64, 96)), WIDE, fps=3.0)
+    out = processor.video_processor(
+        videos=[video.frames],
+        input_data_format="channels_last",
+        return_tensors="pt",
+        **keep_frames_kwargs(processor.video_processor),
+    )
+    assert out["video_grid_thw"][0].tolist() == [
+        len(video.frames) // 2,
+        video.size[0] // 16,
+        video.size[1] // 16,
+    ]
+
+
+def test_video_text_is_timestamped_per_temporal_patch_as_the_processor_writes_it(model, processor) -> None:
+    """The family's video text equals what `Qwen3VLProcessor` itself expands `<|video_pad|>` to."""
+    family = family_of(model)
+    video = read_video(_frames(8, (32, 32)), VIDEOS, fps=2.0)
+    ours = family.video_placeholder(video, VIDEOS)
+    metadata = {"fps": video.fps, "total_num_frames": len(video.frames), "frames_indices": list(range(8))}
+    text = "<|vision_start|><|video_pad|><|vision_end|>"
+    out = processor(
+        text=[text],
+        videos=[video.frames],
+        video_metadata=[metadata],
+        return_tensors="pt",
+        videos_kwargs={**keep_frames_kwargs(processor.video_processor), "input_data_format": "channels_last"},
+    )
+    expected = processor.tokenizer("<|vision_start|>" + ours + "<|vision_end|>", add_special_tokens=False)[
+        "input_ids"
+    ]
+    assert out["input_ids"][0].tolist() == expected
+    assert ours.startswith("<0.2 seconds><|vision_start|><|video_pad|><|vision_end|><1.2 seconds>")
+
+
+# ------------------------------------------------------------------ positions
+def _rope_index(model, prompts: list[PromptSample], ids, mask) -> torch.Tensor:
+    cfg = model.config
+    mm_types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    grids = vision_inputs(prompts)
+    theirs, _ = model.model.get_rope_index(
+        ids, mm_types, grids.get("image_grid_thw"), grids.get("video_grid_thw"), attention_mask=mask
+    )
+    return theirs
+
+
+@pytest.mark.parametrize(
+    "names", [["image"], ["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
+)
+def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
+    """One prompt, and five in one left-padded batch (text-only rows padded furthest)."""
+    family = family_of(model)
+    batch = [_prompt(processor, family, i, name) for i, name in enumerate(names)]
+    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
+    assert torch.equal(family.position_ids(batch, ids, mask), _rope_index(model, batch, ids, mask))
+    if len(batch) > 1:
+        assert (mask == 0).any()
+
+
+def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_index(model, processor) -> None:
+    """Three clips of different lengths, frame rates and sizes in one prompt, next to a text row: every
+    temporal patch is its own t=1 grid after its timestamp, whatever the clip's seconds per patch."""
+    family = family_of(model)
+    spec = (
+        "<video> vs <video> vs <video>",
+        [],
+        [(30, 3.0, (64, 64)), (5, 1.0, (32, 64)), (12, 7.5, (64, 32))],
+    )
+    batch = [_prompt(processor, family, 0, "", WIDE, spec), _prompt(processor, family, 1, "text")]
+    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
+    ours = family.position_ids(batch, ids, mask)
+    assert torch.equal(ours, _rope_index(model, batch, ids, mask))
+    assert len({float(s) for s in batch[0].second_per_grid_ts}) == 3  # three real frame rates, ignored
+    assert torch.equal(ours, family.position_ids(batch, ids, mask, PositionRule("vllm")))
+    # Qwen2.5-VL's rule (one t x h x w grid per video) does not even fit: timestamps split its pad run.
+    with pytest.raises(StopIteration):
+        Family.position_ids(family, batch, ids, mask)
+
+
+def _vllm_positions(
+    model, tokens: list[int], grids: list[tuple[str, list[int]]], length: int
+) -> torch.Tensor:
+    """vLLM's own Qwen3-VL mRoPE ids (`_get_mrope_input_positions`, a static method) of a prompt and
+    `length` generated tokens, which vLLM places at index + the returned delta. A video's offset is where
+    its expansion starts (its first timestamp), as vLLM's prompt update records it."""
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration as VLLMQwen3VL
+
+    cfg = model.config
+    wrap = SimpleNamespace
+    starts = []
+    for i, t in enumerate(tokens):
+        if t == cfg.image_token_id and tokens[i - 1] != t:
+            starts.append(i)
+        elif t == cfg.vision_start_token_id and tokens[i + 1] not in (cfg.image_token_id, cfg.video_token_id):
+            starts.append(i + 1)  # a video: its expansion starts inside the template's <|vision_start|>
+    features = [
+        wrap(
+            modality=kind,
+            mm_position=wrap(offset=offset),
+            data={f"{kind}_grid_thw": wrap(data=torch.tensor(g))},
+        )
+        for offset, (kind, g) in zip(starts, grids, strict=True)
+    ]
+    prompt, delta = VLLMQwen3VL._get_mrope_input_positions(tokens, features, cfg)
+    generated = torch.arange(len(tokens), len(tokens) + length) + delta
+    return torch.cat([prompt, generated.expand(3, -1)], dim=1)
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)")
+@pytest.mark.parametrize("name", ["images", "video", "mixed"])
+def test_both_position_rules_are_vllms_own_layout(model, processor, name) -> None:
+    sample = _prompt(processor, family_of(model), 0, name)
+    response = [processor.tokenizer.convert_tokens_to_ids("<answer>")] * 5
+    ids = torch.tensor([sample.prompt_ids + response])
+    grids = [("image", g) for g in (sample.image_grid_thw.tolist() if sample.images else [])]
+    grids += [("video", g) for g in (sample.video_grid_thw.tolist() if sample.videos else [])]
+    theirs = _vllm_positions(model, sample.prompt_ids, grids, len(response))
+    family, mask = family_of(model), torch.ones_like(ids)
+    assert torch.equal(family.position_ids([sample], ids, mask, PositionRule("vllm"))[:, 0], theirs)
+    assert torch.equal(family.position_ids([sample], ids, mask)[:, 0], theirs)  # identical layouts
+
+
+# ------------------------------------------------------------------ log-probs
+def _plain_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
+    """Each row alone through the model's own full forward (its own vision tower and `get_rope_index`,
+    no position ids given), over the distribution the engines sample from: vision placeholders blocked."""
+    cfg = model.config
+    out = torch.zeros(batch["response_ids"].shape)
+    for row, (p, response, mask) in enumerate(
+        zip(batch["prompt_index"], batch["response_ids"], batch["response_mask"], strict=True)
+    ):
+        prompt = batch.prompts[int(p)]
+        n = int(mask.sum())
+        ids = torch.tensor([prompt.prompt_ids + response[:n].tolist()])
+        vision = {k: v for k, v in vision_inputs([prompt]).items() if k != "second_per_grid_ts"}
+        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, **vision
+            ).logits[0]
+        start = len(prompt.prompt_ids) - 1
+        logits = block_tokens(logits[start : start + n].float(), family_of(model).never_generated_ids())
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        out[row, :n] = logp.gather(1, response[:n, None])[:, 0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_batch(model, processor, prompts) -> Batch:
+    """Image, two images, a video, text only and image + video in one left-padded HF engine batch."""
+    torch.manual_seed(0)
+    batch = HFEngine(model, processor).generate(
+        prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=10, logprobs=True)
+    )
+    assert batch["response_mask"].sum() > 2 * len(prompts)
+    return batch
+
+
+def _diffs(model, processor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        ours = forward_logprobs(model, batch, processor.tokenizer.pad_token_id, 0.8)[0]
+    engine = (ours - batch["rollout_logprobs"]).abs() * mask
+    plain = (ours - _plain_logprobs(model, batch, 0.8)).abs() * mask
+    return engine, plain, mask
+
+
+def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:
+    engine, plain, mask = _diffs(model, processor, hf_batch)
+    for name, i in zip(PROMPTS, range(len(PROMPTS)), strict=True):  # every case, reported by name
+        rows = hf_batch["prompt_index"] == i
+        e, p = engine[rows][mask[rows]], plain[rows][mask[rows]]
+        print(
+            f"{family_of(model).name} {name}: engine max {e.max():.2e} mean {e.mean():.2e}; "
+            f"plain max {p.max():.2e} mean {p.mean():.2e}"
+        )
+    assert engine.max() < 1e-4, f"trainer vs HF engine: max |Δlogp| = {engine.max():.2e}"
+    assert plain.max() < 1e-4, f"trainer vs plain forward: max |Δlogp| = {plain.max():.2e}"
+
+
+def test_dropping_deepstack_features_fails_the_parity_check(model, processor, hf_batch, monkeypatch) -> None:
+    """The trainer's forward without DeepStack's per-layer features is a different model: rows with
+    images or videos move far beyond the tolerance, text-only rows stay."""
+    family_cls = type(family_of(model))
+    keep = family_cls.select_media
+
+    def drop_deepstack(self, encoded, items):
+        selected = keep(self, encoded, items)
+        selected.deepstack_features = []  # no layer gets its DeepStack features
+        return selected
+
+    monkeypatch.setattr(family_cls, "select_media", drop_deepstack)
+    engine, plain, _ = _diffs(model, processor, hf_batch)
+    text_rows = hf_batch["prompt_index"] == list(PROMPTS).index("text")
+    print(f"{family_cls.name} without DeepStack: max {engine.max():.2e}")
+    assert engine.max() > 1e-3 and plain.max() > 1e-3
+    for i in range(len(PROMPTS)):
+        rows = hf_batch["prompt_index"] == i
+        assert (engine[rows].max() > 1e-3) == (not bool(text_rows[rows].all())), list(PROMPTS)[i]
+
+
+def test_moe_experts_are_inside_the_fsdp_units_and_the_router_loss_is_opt_in(model) -> None:
+    family = family_of(model)
+    units = family.fsdp_units(model)
+    layers = list(model.model.language_model.layers)
+    assert units == [*model.model.visual.blocks, *layers]
+    covered = {id(p) for unit in units for p in unit.parameters()}
+    if not family.mixture_of_experts:
+        assert all(type(layer.mlp).__name__ == "Qwen3VLTextMLP" for layer in layers)
+        return
+    experts = [p for layer in layers for p in layer.mlp.experts.parameters()]
+    assert experts and all(id(p) in covered for p in experts)
+    assert all(id(layer.mlp.gate.weight) in covered for layer in layers)
+    assert layers[0].mlp.experts.gate_up_proj.shape[0] == model.config.text_config.num_experts == 4
+    assert ActorConfig().router_aux_loss_coef == 0  # off unless asked for
+
+
+# ------------------------------------------------------------------ vLLM
+def vllm_only(test):
+    """The vLLM tests' markers (as in test_vllm.py): slow, one xdist worker, skipped without vLLM."""
+    for mark in (
+        pytest.mark.slow,
+        pytest.mark.xdist_group("vllm"),
+        pytest.mark.skipif(
+            not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)"
+        ),
+    ):
+        test = mark(test)
+    return test
+
+
+def _request_with_family_prompt_ids(original):
+    """`VLLMEngine._request` with the prompt ids the family says vLLM takes (`vllm_prompt_ids`): the
+    engine's `collapse_pads` cuts pad runs only, which leaves a Qwen3-VL video's timestamps and frame
+    delimiters in the prompt, and vLLM then expands its pad again (127 tokens for the trainer's 76)."""
+
+    def request(self, prompt):
+        out = original(self, prompt)
+        out["prompt_token_ids"] = family_of(self.model).vllm_prompt_ids(prompt.prompt_ids)
+        return out
+
+    return request
+
+
+@vllm_only
+def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prompts) -> None:
+    """What the engine must send for Qwen3-VL, and why `collapse_pads` alone is not it."""
+    family, cfg = family_of(model), model.config
+    for prompt in prompts:
+        ids = family.vllm_prompt_ids(prompt.prompt_ids)
+        assert ids.count(cfg.image_token_id) == len(prompt.images)
+        assert ids.count(cfg.video_token_id) == len(prompt.videos)
+        assert (
+            ids.count(cfg.vision_start_token_id)
+            == ids.count(cfg.vision_end_token_id)
+            == len(prompt.images) + len(prompt.videos)
+        )
+        collapsed = collapse_pads(prompt.prompt_ids, (cfg.image_token_id, cfg.video_token_id))
+        assert (ids == collapsed) == (not prompt.videos)
+
+
+def _fresh_vllm_process_groups() -> None:
+    """An in-process vLLM engine keeps its process groups after it is gone, and the next engine in the
+    process reuses them as they are: one built after a dense model's has no expert-parallel group, and
+    a mixture-of-experts model then fails to build ("expert parallel group is not initialized"). vLLM's
+    own cleanup between engines drops them, so the next engine creates the groups its model needs."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        cleanup_dist_env_and_memory()
+
+
+def _released_layout(model_dir: Path, out: Path) -> Path:
+    """A copy of a tiny checkpoint with every tensor as the family's released checkpoints lay it out
+    (`checkpoint_tensor`): Qwen3-VL-MoE's fused experts as (experts, in, out), which vLLM's loader takes."""
+    shutil.copytree(model_dir, out)
+    family = family_of(AutoConfig.from_pretrained(model_dir))
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        names = f.keys()
+        tensors = {k: family.checkpoint_tensor(k, f.get_tensor(k)).contiguous() for k in names}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _checkpoint_layout_names(model):
+    """`checkpoint_names` with the family's `checkpoint_tensor` layout, as a weight sync must send them."""
+    family = family_of(model)
+    for name, tensor in checkpoint_names(model):
+        yield name, family.checkpoint_tensor(name, tensor)
+
+
+def test_the_released_expert_layout_loads_as_the_same_model(model, model_dir, tmp_path) -> None:
+    """transformers 5.19 saves fused experts as it holds them, (experts, out, in); Qwen's releases and
+    vLLM 0.32 have (experts, in, out). Both load in transformers as the same model."""
+    family = family_of(model)
+    released = _released_layout(model_dir, tmp_path / "released")
+    with safe_open(released / "model.safetensors", "pt") as f:
+        names = f.keys()
+        shapes = {k: f.get_slice(k).get_shape() for k in names}
+    state = model.state_dict()
+    experts = [k for k in shapes if ".mlp.experts." in k]
+    assert bool(experts) == family.mixture_of_experts
+    for k in experts:
+        assert shapes[k] == [state[k].shape[0], state[k].shape[2], state[k].shape[1]] != list(state[k].shape)
+    reloaded = load_policy(released).state_dict()
+    assert all(torch.equal(v, reloaded[k]) for k, v in state.items())
+
+
+def _repack_cpu_experts(model) -> int:
+    """vLLM 0.32's CPU MoE kernel prepacks the expert weights once, after the first load; a reload copies
+    the new (unpacked) weights into the packed storage and skips the prepack (`_setup_kernel` with
+    `is_weight_update`), so a synced MoE model computes with scrambled experts (|Δlogp| 0.04 after a
+    sync of unchanged weights). Prepack the reloaded weights again, as the engine does for a tied head."""
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+def _sync_then_repack(original):
+    def sync_weights(self) -> None:
+        original(self)
+        if family_of(self.model).mixture_of_experts:
+            self.llm.apply_model(_repack_cpu_experts)
+
+    return sync_weights
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir, tmp_path_factory):
+    _fresh_vllm_process_groups()  # test_vllm.py or the other family's engine may have run first
+    patch = pytest.MonkeyPatch()
+    patch.setattr(VLLMEngine, "_request", _request_with_family_prompt_ids(VLLMEngine._request))
+    patch.setattr(vllm_module, "checkpoint_names", _checkpoint_layout_names)
+    patch.setattr(VLLMEngine, "sync_weights", _sync_then_repack(VLLMEngine.sync_weights))
+    model_dir = _released_layout(model_dir, tmp_path_factory.mktemp("released") / "model")
+    policy = load_policy(model_dir).eval()
+    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
+    engine = make_engine(
+        "vllm",
+        policy,
+        load_processor(model_dir),
+        torch.float32,
+        model_path=model_dir,
+        vllm=settings,
+        pixels=(IMAGES.min_pixels, IMAGES.max_pixels),
+    )
+    assert isinstance(engine, VLLMEngine)
+    yield engine
+    patch.undo()
+    del engine
+    gc.collect()
+    _fresh_vllm_process_groups()
+
+
+def _vllm_diff(engine: VLLMEngine, batch: Batch, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        ours = forward_logprobs(engine.model, batch, engine.tokenizer.pad_token_id, temperature)[0]
+    return (ours - batch["rollout_logprobs"])[batch["response_mask"].bool()].abs()
+
+
+@vllm_only
+def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
+    """Image, two images, video, text and image + video prompts through the real engine."""
+    torch.manual_seed(0)
+    batch = vllm_engine.generate(
+        prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
+    )
+    assert batch[POSITION_RULE] == [PositionRule("vllm", torch.float32)] * len(batch)
+    diff = _vllm_diff(vllm_engine, batch, 0.7)
+    print(f"{family_of(vllm_engine.model).name} vLLM: max {diff.max():.2e} mean {diff.mean():.2e}")
+    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+
+
+@vllm_only
+def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, prompts) -> None:
+    vllm_engine.sync_weights()
+    torch.manual_seed(3)
+    batch = vllm_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8))
+    scores = (batch["response_ids"][:, 0] % 7).float()
+    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
+    actor = Actor(
+        vllm_engine.model,
+        ActorConfig(lr=0.05, mini_batch_size=len(prompts), micro_batch_size=10, use_kl_loss=False),
+        vllm_engine.tokenizer.pad_token_id,
+        temperature=1.0,
+        response_len=8,
+        total_updates=1,
+    )
+    deepstack = vllm_engine.model.model.visual.deepstack_merger_list[0].linear_fc2.weight.detach().clone()
+    actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=8))
+    vllm_engine.model.eval()
+    assert not torch.equal(
+        deepstack, vllm_engine.model.model.visual.deepstack_merger_list[0].linear_fc2.weight
+    )
+    with pytest.raises(WeightSyncError, match="did not arrive"):
+        vllm_engine.verify()  # sync skipped: vLLM still has the old weights
+    vllm_engine.sync_weights()
+    assert vllm_engine.verify() < 1e-4
+    sampled = vllm_engine.generate(
+        prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
+    )
+    diff = _vllm_diff(vllm_engine, sampled, 1.0)  # the updated vision tower (DeepStack too) reached vLLM
+    print(
+        f"{family_of(vllm_engine.model).name} vLLM after update: max {diff.max():.2e} mean {diff.mean():.2e}"
+    )
+    assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
