@@ -28,10 +28,9 @@ from mmrl.data import PromptSample
 from mmrl.models import Family, family_of, load_policy, load_processor
 from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams, make_engine
-from mmrl.rollout import vllm as vllm_module
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad, vision_inputs
-from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, checkpoint_names, collapse_pads, vllm_available
+from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, checkpoint_names, vllm_available
 from processors import (
     PixelBudget,
     PositionRule,
@@ -396,22 +395,9 @@ def vllm_only(test):
     return test
 
 
-def _request_with_family_prompt_ids(original):
-    """`VLLMEngine._request` with the prompt ids the family says vLLM takes (`vllm_prompt_ids`): the
-    engine's `collapse_pads` cuts pad runs only, which leaves a Qwen3-VL video's timestamps and frame
-    delimiters in the prompt, and vLLM then expands its pad again (127 tokens for the trainer's 76)."""
-
-    def request(self, prompt):
-        out = original(self, prompt)
-        out["prompt_token_ids"] = family_of(self.model).vllm_prompt_ids(prompt.prompt_ids)
-        return out
-
-    return request
-
-
 @vllm_only
 def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prompts) -> None:
-    """What the engine must send for Qwen3-VL, and why `collapse_pads` alone is not it."""
+    """What the engine must send for Qwen3-VL, and why the default (pad runs cut to one) is not it."""
     family, cfg = family_of(model), model.config
     for prompt in prompts:
         ids = family.vllm_prompt_ids(prompt.prompt_ids)
@@ -422,7 +408,7 @@ def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prom
             == ids.count(cfg.vision_end_token_id)
             == len(prompt.images) + len(prompt.videos)
         )
-        collapsed = collapse_pads(prompt.prompt_ids, (cfg.image_token_id, cfg.video_token_id))
+        collapsed = Family.vllm_prompt_ids(family, prompt.prompt_ids)
         assert (ids == collapsed) == (not prompt.videos)
 
 
@@ -449,13 +435,6 @@ def _released_layout(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def _checkpoint_layout_names(model):
-    """`checkpoint_names` with the family's `checkpoint_tensor` layout, as a weight sync must send them."""
-    family = family_of(model)
-    for name, tensor in checkpoint_names(model):
-        yield name, family.checkpoint_tensor(name, tensor)
-
-
 def test_the_released_expert_layout_loads_as_the_same_model(model, model_dir, tmp_path) -> None:
     """transformers 5.19 saves fused experts as it holds them, (experts, out, in); Qwen's releases and
     vLLM 0.32 have (experts, in, out). Both load in transformers as the same model."""
@@ -473,36 +452,9 @@ def test_the_released_expert_layout_loads_as_the_same_model(model, model_dir, tm
     assert all(torch.equal(v, reloaded[k]) for k, v in state.items())
 
 
-def _repack_cpu_experts(model) -> int:
-    """vLLM 0.32's CPU MoE kernel prepacks the expert weights once, after the first load; a reload copies
-    the new (unpacked) weights into the packed storage and skips the prepack (`_setup_kernel` with
-    `is_weight_update`), so a synced MoE model computes with scrambled experts (|Δlogp| 0.04 after a
-    sync of unchanged weights). Prepack the reloaded weights again, as the engine does for a tied head."""
-    count = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(module)
-            count += 1
-    return count
-
-
-def _sync_then_repack(original):
-    def sync_weights(self) -> None:
-        original(self)
-        if family_of(self.model).mixture_of_experts:
-            self.llm.apply_model(_repack_cpu_experts)
-
-    return sync_weights
-
-
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir, tmp_path_factory):
     _fresh_vllm_process_groups()  # test_vllm.py or the other family's engine may have run first
-    patch = pytest.MonkeyPatch()
-    patch.setattr(VLLMEngine, "_request", _request_with_family_prompt_ids(VLLMEngine._request))
-    patch.setattr(vllm_module, "checkpoint_names", _checkpoint_layout_names)
-    patch.setattr(VLLMEngine, "sync_weights", _sync_then_repack(VLLMEngine.sync_weights))
     model_dir = _released_layout(model_dir, tmp_path_factory.mktemp("released") / "model")
     policy = load_policy(model_dir).eval()
     settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
@@ -517,7 +469,6 @@ def vllm_engine(model_dir, tmp_path_factory):
     )
     assert isinstance(engine, VLLMEngine)
     yield engine
-    patch.undo()
     del engine
     gc.collect()
     _fresh_vllm_process_groups()

@@ -233,6 +233,18 @@ class Family:
         """Module name prefixes whose linear layers may get LoRA adapters."""
         return ("model.language_model.", *(("model.visual.",) if include_vision else ()))
 
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Prompt ids as vLLM takes them: each run of image (or video) pads cut to one, since vLLM
+        expands each to its item's token count itself and would expand an expanded run again."""
+        pads = tuple(self.media_token_ids().values())
+        ids = list(prompt_ids)
+        return [t for i, t in enumerate(ids) if not (t in pads and i and ids[i - 1] == t)]
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor (under its saved name) as the family's released checkpoints, and so vLLM's loader,
+        lay it out: the in-memory layout unless a family says otherwise."""
+        return tensor
+
     def saved_name(self, name: str) -> str:
         """A parameter's in-memory name as its saved checkpoint (and so vLLM's loader) spells it."""
         for memory, saved in self.saved_prefixes.items():

@@ -106,8 +106,8 @@ class Qwen3_VL(Family):
         """Prompt ids as vLLM takes them: one `<|video_pad|>` per video and one `<|image_pad|>` per image
         (vLLM expands each itself). A video's whole timestamped text, `<t seconds><|vision_start|>pads
         <|vision_end|>` per temporal patch, becomes one pad inside the template's own `<|vision_start|>`
-        and `<|vision_end|>`, which is what vLLM's Qwen3-VL processor replaces. The vLLM engine's
-        `collapse_pads` only cuts pad runs, which leaves a video's frames and timestamps behind."""
+        and `<|vision_end|>`, which is what vLLM's Qwen3-VL processor replaces. The default (pad runs cut
+        to one) would leave a video's frames and timestamps behind."""
         cfg = self.config
         start, end = cfg.vision_start_token_id, cfg.vision_end_token_id
         pads = (cfg.image_token_id, cfg.video_token_id)
