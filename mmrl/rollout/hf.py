@@ -41,6 +41,15 @@ def vision_inputs(prompts: list[PromptSample]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _expands_media_per_item(model: Any, prompts: list[PromptSample]) -> bool:
+    """Whether `generate` can copy these prompts for `num_return_sequences` itself. transformers 5.19
+    declares some multimodal classes text-only (Qwen3.5's `input_modalities == "text"`) and then copies
+    `pixel_values` patch by patch instead of image by image: every copy of a multi-image or video row
+    sees scrambled pixels. Such prompts are repeated before `generate` instead."""
+    has_media = any(p.pixel_values is not None or p.pixel_values_videos is not None for p in prompts)
+    return not has_media or "image" in getattr(type(model), "input_modalities", ("image",))
+
+
 class HFEngine:
     """`model.generate` over left-padded prompts; placeholders can never be sampled."""
 
@@ -69,8 +78,11 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
         device = next(self.model.parameters()).device
-        ids, mask = left_pad([p.prompt_ids for p in prompts], self.tokenizer.pad_token_id)
-        extra = family_of(self.model).generate_inputs(ids, vision_inputs(prompts))
+        sources, copies = prompts, params.n
+        if params.n > 1 and not _expands_media_per_item(self.model, prompts):
+            sources, copies = [p for p in prompts for _ in range(params.n)], 1
+        ids, mask = left_pad([p.prompt_ids for p in sources], self.tokenizer.pad_token_id)
+        extra = family_of(self.model).generate_inputs(ids, vision_inputs(sources))
         extra = {k: v.to(device) for k, v in extra.items()}
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
         was_training = self.model.training
@@ -80,7 +92,7 @@ class HFEngine:
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 **extra,
-                generation_config=self._generation_config(params, stop),
+                generation_config=self._generation_config(params, stop, copies),
                 synced_gpus=self.synced_gpus,
             )
         self.model.train(was_training)
@@ -114,7 +126,7 @@ class HFEngine:
         batch.set(response_text=texts)
         return batch
 
-    def _generation_config(self, params: SamplingParams, stop: list[int]) -> GenerationConfig:
+    def _generation_config(self, params: SamplingParams, stop: list[int], copies: int) -> GenerationConfig:
         """Built from scratch, so no checkpoint default (repetition penalty, min length, ...) bends
         the sampling distribution away from the softmax(logits / T) that training assumes."""
         sampling: dict[str, Any] = {"do_sample": False}
@@ -129,7 +141,7 @@ class HFEngine:
         return GenerationConfig(
             **sampling,
             max_new_tokens=params.max_new_tokens,
-            num_return_sequences=params.n,
+            num_return_sequences=copies,
             suppress_tokens=self.blocked,
             eos_token_id=stop,
             pad_token_id=self.tokenizer.pad_token_id,
