@@ -29,10 +29,14 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 @pytest.fixture
 def local_ray():
-    """A real local Ray cluster with two logical CPUs, whatever this machine has: room for two workers."""
+    """A real local Ray cluster with two logical CPUs, whatever this machine has: room for two workers.
+
+    `address="local"` always starts this process its own cluster: without it `ray.init` joins a cluster
+    another xdist worker started (`--dist loadgroup` does not keep every `ray` test on one worker), and
+    joining with `num_cpus` set is refused."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 
