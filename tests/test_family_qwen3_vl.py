@@ -26,6 +26,7 @@ from mmrl.batch import Batch
 from mmrl.config import ActorConfig, VLLMConfig
 from mmrl.data import PromptSample
 from mmrl.models import Family, family_of, load_policy, load_processor
+from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams, make_engine
 from mmrl.rollout.base import POSITION_RULE
@@ -240,7 +241,7 @@ def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_ind
     assert torch.equal(ours, family.position_ids(batch, ids, mask, PositionRule("vllm")))
     # Qwen2.5-VL's rule (one t x h x w grid per video) does not even fit: timestamps split its pad run.
     with pytest.raises(StopIteration):
-        Family.position_ids(family, batch, ids, mask)
+        Qwen2_5_VL(family.config).position_ids(batch, ids, mask)
 
 
 def _vllm_positions(

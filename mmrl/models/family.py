@@ -83,6 +83,10 @@ class Family:
     takes_images: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
     mixture_of_experts: ClassVar[bool] = False
+    # Qwen2.5-VL spaces a video's time ids by real seconds (`second_per_grid_ts`); the other families
+    # number temporal patches (Qwen2-VL) or tell time in text (Qwen3's timestamps), and their forward
+    # refuses the argument.
+    video_time_in_seconds: ClassVar[bool] = True
     tiny_grid_factor: ClassVar[int] = 28  # patch x merge of the tiny build, for its default pixel budget
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
@@ -142,6 +146,7 @@ class Family:
         videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
         seconds = [p.second_per_grid_ts for p in prompts if p.second_per_grid_ts is not None]
         cfg = self.config
+        timed = self.video_time_in_seconds
         return mrope_position_ids(
             input_ids,
             attention,
@@ -149,11 +154,16 @@ class Family:
             image_token_id=cfg.image_token_id,
             video_token_id=cfg.video_token_id,
             spatial_merge_size=cfg.vision_config.spatial_merge_size,
-            video_grid_thw=torch.cat(videos) if videos else None,
-            second_per_grid_ts=torch.cat(seconds) if seconds else None,
-            tokens_per_second=getattr(cfg.vision_config, "tokens_per_second", 1.0),
+            video_grid_thw=self.video_grids(torch.cat(videos)) if videos else None,
+            # untimed: one second per temporal patch at one id per second, ids 0..t-1
+            second_per_grid_ts=torch.cat(seconds) if seconds and timed else None,
+            tokens_per_second=getattr(cfg.vision_config, "tokens_per_second", 1.0) if timed else 1.0,
             rules=rules,
         )
+
+    def video_grids(self, grids: torch.Tensor) -> torch.Tensor:
+        """Videos' (t, h, w) grids as the position layout places them (Qwen3 splits each per frame)."""
+        return grids
 
     # ------------------------------------------------------------------ forward
     def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:
@@ -212,6 +222,8 @@ class Family:
 
     def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Keyword arguments for `model.generate` besides ids and mask."""
+        if not self.video_time_in_seconds:
+            vision = {k: v for k, v in vision.items() if k != "second_per_grid_ts"}
         ids = self.media_token_ids()
         types = (input_ids == ids["image"]).int() + 2 * (input_ids == ids["video"]).int()
         return {"mm_token_type_ids": types, **vision}

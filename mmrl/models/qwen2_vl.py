@@ -9,16 +9,13 @@ max(h, w) / merge after the block's start, vLLM at 1 + the block's largest id (t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import torch
 from transformers import Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLProcessor
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
 from mmrl.models.family import Family, register
 from mmrl.models.qwen2_5_vl import media_ids, tiny_text
-from processors import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
 
 
 @register
@@ -27,37 +24,8 @@ class Qwen2_VL(Family):
     model_types = ("qwen2_vl",)
     model_class = "Qwen2VLForConditionalGeneration"
     tiny_grid_factor = 28
+    video_time_in_seconds = False  # time ids 0..t-1, whatever the frame rate
     saved_prefixes: ClassVar[dict[str, str]] = {"model.language_model.": "model.", "model.visual.": "visual."}
-
-    def position_ids(
-        self,
-        prompts: Sequence[Any],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
-    ) -> torch.Tensor:
-        """mRoPE ids with a video's time axis at its patch index (one id per temporal patch): the
-        prompts' `second_per_grid_ts` are ignored, as both engines ignore them for Qwen2-VL."""
-        images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
-        videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
-        cfg = self.config
-        return mrope_position_ids(
-            input_ids,
-            attention,
-            torch.cat(images) if images else None,
-            image_token_id=cfg.image_token_id,
-            video_token_id=cfg.video_token_id,
-            spatial_merge_size=cfg.vision_config.spatial_merge_size,
-            video_grid_thw=torch.cat(videos) if videos else None,
-            second_per_grid_ts=None,  # one second per temporal patch ...
-            tokens_per_second=1.0,  # ... at one id per second: ids 0..t-1
-            rules=rules,
-        )
-
-    def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Qwen2-VL's `generate` refuses `second_per_grid_ts` (its forward takes no such argument)."""
-        vision = {k: v for k, v in vision.items() if k != "second_per_grid_ts"}
-        return super().generate_inputs(input_ids, vision)
 
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Qwen2VLConfig:

@@ -31,7 +31,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from mmrl.models.family import Family, register
 from mmrl.models.qwen2_5_vl import media_ids, tiny_text
-from processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget, mrope_position_ids
+from processors import Video, VideoBudget
 from processors import timestamped_video_text as _timestamped_video_text
 
 
@@ -73,34 +73,14 @@ class Qwen3_VL(Family):
     model_class = "Qwen3VLForConditionalGeneration"
     tiny_grid_factor = 32
     # save_pretrained writes the in-memory names (checked in tests/test_family_qwen3_vl.py).
+    video_time_in_seconds = False  # time is in the timestamp text; every frame's time id is 0
     saved_prefixes: ClassVar[dict[str, str]] = {}
+
+    def video_grids(self, grids: torch.Tensor) -> torch.Tensor:
+        return frame_grids(grids)
 
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         return _timestamped_video_text(video, budget)
-
-    def position_ids(
-        self,
-        prompts: Sequence[Any],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
-    ) -> torch.Tensor:
-        """`get_rope_index`'s ids: videos as one t=1 grid per temporal patch (the timestamps between
-        them are text), so `second_per_grid_ts` plays no part. Both engines' rules give these ids."""
-        images = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
-        videos = [p.video_grid_thw for p in prompts if p.video_grid_thw is not None]
-        cfg = self.config
-        return mrope_position_ids(
-            input_ids,
-            attention,
-            torch.cat(images) if images else None,
-            image_token_id=cfg.image_token_id,
-            video_token_id=cfg.video_token_id,
-            spatial_merge_size=cfg.vision_config.spatial_merge_size,
-            video_grid_thw=frame_grids(torch.cat(videos)) if videos else None,
-            second_per_grid_ts=None,  # t=1 grids: every frame's time id is 0
-            rules=rules,
-        )
 
     def vllm_prompt_ids(self, prompt_ids: Sequence[int]) -> list[int]:
         """Prompt ids as vLLM takes them: one `<|video_pad|>` per video and one `<|image_pad|>` per image
@@ -133,11 +113,6 @@ class Qwen3_VL(Family):
         """A tensor (under its saved name) as the family's released checkpoints lay it out; vLLM's loader
         takes that layout. Qwen3-VL's is the in-memory one (Qwen3-VL-MoE's experts are not)."""
         return tensor
-
-    def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Qwen3-VL's forward takes no `second_per_grid_ts` (time is in the timestamp text)."""
-        vision = {k: v for k, v in vision.items() if k != "second_per_grid_ts"}
-        return super().generate_inputs(input_ids, vision)
 
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Any:
