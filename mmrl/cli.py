@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -12,6 +13,30 @@ from rich.console import Console
 
 from mmrl.config import Config, ConfigError, dump_config, load_config
 from mmrl.errors import RunStopped
+from mmrl.recipes import resolve_config
+from mmrl.stop_signals import RunInterrupted
+
+
+def _load(args: argparse.Namespace) -> Config:
+    """The command's config: a file, or a bundled recipe by name (said on stderr, so the run's log shows it)."""
+    path, note = resolve_config(args.config)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return load_config(path, args.overrides)
+
+
+def _check_device(device: str) -> None:
+    """A CUDA device asked for where none is visible fails here, not as a torch assertion mid start-up."""
+    import torch
+
+    index = device.partition(":")[2]
+    seen = torch.cuda.device_count()
+    if device.startswith("cuda") and (int(index) if index.isdigit() else 0) >= seen:
+        visible = f"only {seen} CUDA GPU(s) are" if seen else "no CUDA GPU is"
+        raise ConfigError(
+            f"trainer.device={device}, but {visible} visible to this process; use trainer.device=auto "
+            "(the GPU when there is one, else the CPU) or trainer.device=cpu"
+        )
 
 
 def _preflight(cfg: Config) -> None:
@@ -20,6 +45,7 @@ def _preflight(cfg: Config) -> None:
     Without this a missing model folder surfaces as a transformers hub error about repo ids
     (the processor is loaded first), and a missing data file only after the model has loaded.
     """
+    _check_device(cfg.trainer.device)
     model = Path(cfg.model.path)
     if not (model / "config.json").exists() and cfg.sft is not None:
         raise FileNotFoundError(
@@ -40,7 +66,7 @@ def _preflight(cfg: Config) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     _preflight(cfg)
     if cfg.env is None:
         from mmrl.trainer import Trainer
@@ -53,7 +79,7 @@ def _train(args: argparse.Namespace) -> int:
 def _sft(args: argparse.Namespace) -> int:
     from mmrl.vla.sft import run_sft
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     if cfg.sft is None or cfg.env is None:
         raise ConfigError(f"{args.config} has no env and sft sections; see configs/vla_mujoco_reach.yaml")
     if not (Path(cfg.sft.base_model) / "config.json").exists():
@@ -68,7 +94,8 @@ def _sft(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from mmrl.evaluate import evaluate, print_table
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
+    _check_device(cfg.trainer.device)
     if cfg.env is not None:
         from mmrl.vla.evaluate import evaluate_episodes
 
@@ -97,7 +124,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    print(dump_config(load_config(args.config, args.overrides)), end="")
+    print(dump_config(_load(args)), end="")
     return 0
 
 
@@ -149,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train with a YAML config; overrides as key.sub=value")
     train.add_argument("config")
-    train.add_argument("overrides", nargs="*", help="e.g. actor.lr=1e-5 trainer.total_steps=10")
+    train.add_argument("overrides", nargs="*", default=[], help="e.g. actor.lr=1e-5 trainer.total_steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.set_defaults(func=_train)
 
@@ -158,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="score a checkpoint on data.val_files (accuracy, pass@k), or an env config's success rate",
     )
     ev.add_argument("config")
-    ev.add_argument("overrides", nargs="*", help="e.g. data.val_files=test.parquet")
+    ev.add_argument("overrides", nargs="*", default=[], help="e.g. data.val_files=test.parquet")
     ev.add_argument(
         "--checkpoint", required=True, help="a run folder, a checkpoints/step_N folder or a model folder"
     )
@@ -183,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="env configs: behaviour-clone scripted demos into model.path")
     sft.add_argument("config")
-    sft.add_argument("overrides", nargs="*", help="e.g. sft.demos=400")
+    sft.add_argument("overrides", nargs="*", default=[], help="e.g. sft.demos=400")
     sft.set_defaults(func=_sft)
 
     export = sub.add_parser("export", help="write a checkpoint as a plain HF model folder (LoRA merged)")
@@ -195,13 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         "quickstart", help="build a tiny model and a visual task, then train it on this CPU"
     )
     quick.add_argument("--out", default="runs/quickstart", help="folder for the model, data and run")
-    quick.add_argument("overrides", nargs="*", help="overrides for configs/quickstart.yaml")
+    quick.add_argument("overrides", nargs="*", default=[], help="overrides for configs/quickstart.yaml")
     quick.set_defaults(func=_quickstart)
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="action", required=True)
     show = config.add_parser("show", help="print the resolved, validated config")
     show.add_argument("config")
-    show.add_argument("overrides", nargs="*")
+    show.add_argument("overrides", nargs="*", default=[])
     show.set_defaults(func=_config_show)
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="action", required=True)
@@ -236,9 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """How to go on after an interrupted command: for `mmrl train`, the same command with --resume."""
+    if args.command != "train":
+        return "Run the same command again to go on."
+    return f"To go on: {shlex.join(['mmrl', 'train', args.config, *args.overrides, '--resume'])}"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(word.startswith("-") for word in extra):
+        args.overrides = [*args.overrides, *extra]  # `mmrl train CONFIG a=1 --resume b=2`: all are overrides
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -247,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
+    except RunInterrupted as err:  # SIGTERM or Ctrl-C, after a checkpoint was saved
+        Console(stderr=True).print(f"{err} {_resume_hint(args)}", highlight=False, soft_wrap=True)
+        return err.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        print(
+            f"interrupted; checkpoints up to the last save are intact. {_resume_hint(args)}", file=sys.stderr
+        )
+        return 130
     except RunStopped as err:  # an engine failure, a full disk, diverged gradients
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 1

@@ -495,6 +495,18 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
 
 
+def _read_yaml(path: Path) -> Any:
+    """A config file's tree; a syntax error names the file, line and column instead of PyYAML's
+    `"<unicode string>", line N`."""
+    try:
+        return _yaml(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path}{where}: not valid YAML ({problem}); fix the file and run again") from None
+
+
 def _check_registered(key: str, name: str, registry: str) -> None:
     """Registered names and `path/to/file.py:function` specs pass; anything else fails at start."""
     from mmrl import algorithms
@@ -523,7 +535,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
-    return key.strip(), _yaml(raw) if raw.strip() else ""
+    try:
+        return key.strip(), _yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML; quote it ({key}='\"...\"')"
+        ) from None
 
 
 def _section_of(annotation: Any) -> type[BaseModel] | None:
@@ -591,7 +608,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        tree = _yaml(path.read_text()) or {}
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder; give the YAML file of a config (configs/quickstart.yaml)")
+        tree = _read_yaml(path)
         if not isinstance(tree, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")
     for text in overrides:

@@ -48,8 +48,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for candidate in (path / "model", path):
         if (candidate / "config.json").exists() or is_adapter(candidate):
             return candidate
+    if (path / "config.yaml").exists() or (path / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"{path} is a run with no checkpoint yet: one is written every trainer.save_every steps and at the "
+            "end; wait for it, or give a checkpoints/step_N folder or a model folder"
+        )
     raise FileNotFoundError(
-        f"--checkpoint {path}: no model there; give a run folder, a checkpoints/step_N folder or a model folder"
+        f"{path}: no model there; give a run folder, a checkpoints/step_N folder or a model folder"
     )
 
 

@@ -138,6 +138,8 @@ def export_plain(folder: Path, out: Path) -> Path:
     the result loads with `from_pretrained` (and in vLLM) with no peft involved."""
     from mmrl.models import load_policy, load_processor
 
+    if out.is_file():
+        raise FileExistsError(f"{out} is a file; give a new or empty folder to export into")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new folder for the export")
     processor_from = folder

@@ -126,3 +126,102 @@ def test_unknown_subcommand_is_an_argparse_error(capsys) -> None:
         main(["trian"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_bundled_recipe_resolves_by_name_from_any_directory(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    bundled = Path(CONFIG).parent / "qwen25vl_geo.yaml"
+    for given in ("qwen25vl_geo", "config/qwen25vl_geo.yaml", "configs/qwen25vl_geo.yaml"):
+        assert main(["config", "show", given]) == 0, given
+        captured = capsys.readouterr()
+        assert "experiment_name: qwen25vl_geo" in captured.out
+        note = [line for line in captured.err.splitlines() if line.strip()]
+        assert len(note) == 1 and str(bundled) in _one_line(captured.err), captured.err
+
+
+def test_a_path_in_a_folder_of_its_own_is_not_taken_for_a_recipe(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "show", "experiments/qwen25vl_geo.yaml"]) == 2
+    assert main(["config", "show", "qwen25vl_gep"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "config file experiments/qwen25vl_geo.yaml does not exist" in err
+    assert "Did you mean qwen25vl_geo?" in err
+
+
+def test_the_recipes_are_installed_with_the_package() -> None:
+    """The wheel copies configs/ to where the resolver looks when it runs from an installed package."""
+    import tomllib
+
+    from mmrl import recipes
+
+    root = Path(CONFIG).parent.parent
+    build = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    installed_at = build["force-include"]["configs"]
+    assert root / installed_at == recipes.PACKAGED
+    assert installed_at.split("/")[0] in build["packages"]
+    assert recipes.recipe_dir() == root / "configs"  # this checkout: the repository's own folder
+
+
+def test_resume_may_stand_anywhere_among_the_overrides(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    args = ["train", CONFIG, "trainer.total_stepz=3", "--resume", "actor.lrr=1", f"trainer.output_dir={run}"]
+    assert main(args) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "trainer.total_stepz: unknown key" in err and "actor.lrr: unknown key" in err
+
+
+def test_train_without_a_config_asks_for_the_config_only(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "config" in err and "overrides" not in err.splitlines()[-1]
+
+
+def test_eval_on_a_run_with_no_checkpoint_yet_says_so(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    assert main(["eval", CONFIG, "--checkpoint", str(run)]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"{run} is a run with no checkpoint yet" in err
+
+
+def test_export_errors_name_its_own_arguments(tmp_path, capsys, tiny_model_dir) -> None:
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    file = tmp_path / "model.bin"
+    file.write_text("x")
+    assert main(["export", str(tiny_model_dir), str(file)]) == 2
+    captured = capsys.readouterr()
+    err = _one_line(captured.err)
+    assert "--checkpoint" not in err and "Traceback" not in captured.err
+    assert f"{file} is a file" in err
+    assert file.read_text() == "x"
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n bad: [\n")
+    assert main(["config", "show", str(bad)]) == 2
+    captured = capsys.readouterr()
+    err = _one_line(captured.err)
+    assert f"{bad}, line 3" in err and "<unicode string>" not in err
+    assert "Traceback" not in captured.err
+
+
+def test_a_folder_given_as_the_config_returns_2(tmp_path, capsys) -> None:
+    assert main(["train", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert f"{tmp_path} is a folder" in _one_line(captured.err) and "Traceback" not in captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where no GPU is visible")
+def test_train_on_cuda_without_a_gpu_returns_2_before_any_work(tmp_path, capsys, tiny_model_dir) -> None:
+    run = tmp_path / "run"
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "x", "answer": "y"}\n')
+    overrides = [f"model.path={tiny_model_dir}", f"data.train_files={data}", "data.val_files=[]"]
+    assert main(["train", CONFIG, *overrides, "trainer.device=cuda", f"trainer.output_dir={run}"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "trainer.device=cuda" in err and "no CUDA GPU" in err and "trainer.device=auto" in err
+    assert not run.exists()

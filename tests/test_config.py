@@ -250,3 +250,7 @@ def test_vllm_length_budget_is_checked_at_start() -> None:
     assert load_config(
         QUICKSTART, ["rollout.engine=hf", "data.max_prompt_length=1024", "rollout.vllm.max_model_len=1024"]
     )
+
+
+def test_an_override_that_is_not_yaml_names_the_override() -> None:
+    assert "override 'actor.lr=[1': the value is not valid YAML" in _error(["actor.lr=[1"])
