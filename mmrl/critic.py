@@ -17,7 +17,14 @@ from mmrl.algorithms import clipped_value_loss
 from mmrl.batch import Batch
 from mmrl.config import CriticConfig
 from mmrl.models import autocast_for, load_policy
-from mmrl.optim import UpdateStats, make_optimizer, minibatch_updates, per_minibatch, plan_minibatches
+from mmrl.optim import (
+    UpdateStats,
+    apply_settings,
+    make_optimizer,
+    minibatch_updates,
+    per_minibatch,
+    plan_minibatches,
+)
 
 
 class ValueModel(nn.Module):
@@ -107,6 +114,7 @@ class Critic:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_settings(self.optimizer, self.scheduler, self.cfg)
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
         values = forward_values(self.model, micro, self.pad_id, self.compute_dtype)

@@ -46,6 +46,23 @@ def make_optimizer(
     return optimizer, scheduler
 
 
+def apply_settings(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimSettings
+) -> None:
+    """Put the config's lr, betas and weight decay over those a checkpoint's state restored.
+
+    Loading an optimizer and schedule brings back the values they were saved with, so a resumed run
+    would silently keep its old learning rate; the schedule's position (its step count) is kept."""
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group.update(
+            initial_lr=cfg.lr,
+            lr=cfg.lr * factor(scheduler.last_epoch),
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+        )
+
+
 # (micro-batch, mini-batch totals) -> per-mini-batch metrics; backpropagates its own loss.
 MicroStep = Callable[[Batch, dict[str, float]], dict[str, float]]
 
@@ -118,7 +135,8 @@ def minibatch_updates(
             for key, value in micro_step(micro, step.totals).items():
                 sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
         grad_norm = _total_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-        sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
+        # The rate this step uses: after a resume that changed lr, the schedule still reports the old one.
+        sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
             optimizer.step()
             scheduler.step()

@@ -25,7 +25,7 @@ from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
 from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
-from mmrl.optim import MiniBatch, UpdateStats
+from mmrl.optim import MiniBatch, UpdateStats, apply_settings
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
 from mmrl.workers.fsdp import full_state_dict, init_process_group, shard_policy
@@ -150,6 +150,7 @@ class PolicyWorker:
         self.actor.scheduler.load_state_dict(
             torch.load(folder / "model" / "scheduler.pt", weights_only=False)
         )
+        apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)  # a resume may change lr
 
     @property
     def _options(self) -> StateDictOptions:
