@@ -6,7 +6,15 @@ the vision tower produces.
 """
 
 from processors.chat import build_messages, encode_prompt, split_image_markers, split_media_markers
-from processors.image import ImageError, PixelBudget, fit_image, load_image, num_image_tokens, smart_size
+from processors.image import (
+    ImageError,
+    PixelBudget,
+    fit_image,
+    is_huge,
+    load_image,
+    num_image_tokens,
+    smart_size,
+)
 from processors.rope import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
 from processors.video import (
     FramePlan,
@@ -37,6 +45,7 @@ __all__ = [
     "build_messages",
     "encode_prompt",
     "fit_image",
+    "is_huge",
     "keep_frames_kwargs",
     "load_image",
     "mrope_position_ids",

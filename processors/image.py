@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,18 @@ def load_image(source: Any, base_dir: str | Path | None = None) -> Image.Image:
     """Open a path, bytes, `{"bytes"|"path": ...}` dict or PIL image as an upright RGB image.
 
     EXIF rotation is applied, palette/CMYK/16-bit/alpha images are converted, and anything
-    unreadable raises `ImageError` naming the source, so the caller can skip and count it.
+    unreadable raises `ImageError` naming the source, so the caller can skip and count it. PIL's
+    warning about images past its decompression-bomb size is silenced: callers report those with
+    `is_huge` in their own words, once, instead of a raw warning per image.
     """
     if isinstance(source, dict):
         source = source.get("bytes") or source.get("path")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return _open(source, base_dir)
+
+
+def _open(source: Any, base_dir: str | Path | None) -> Image.Image:
     try:
         if isinstance(source, Image.Image):
             image = source
@@ -60,6 +69,13 @@ def load_image(source: Any, base_dir: str | Path | None = None) -> Image.Image:
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         name = source if isinstance(source, (str, Path)) else f"<{type(source).__name__}>"
         raise ImageError(f"cannot read image {name}: {err}") from err
+
+
+def is_huge(image: Image.Image) -> bool:
+    """Past the size PIL warns about as a possible decompression bomb (about 89 megapixels): usable,
+    but decoding it costs far more time and memory than the model input it is shrunk to."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return limit is not None and image.width * image.height > limit
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -93,25 +109,49 @@ def smart_size(height: int, width: int, budget: PixelBudget) -> tuple[int, int]:
     f = budget.factor
     h = max(f, round(height / f) * f)
     w = max(f, round(width / f) * f)
-    if h * w > budget.max_pixels:
-        scale = math.sqrt(height * width / budget.max_pixels)
-        h = max(f, math.floor(height / scale / f) * f)
-        w = max(f, math.floor(width / scale / f) * f)
+    if h * w > budget.max_pixels:  # scale both sides by sqrt(max / area), rounded down onto the grid
+        h = f * max(1, math.isqrt(budget.max_pixels * height // (f * f * width)))
+        w = f * max(1, math.isqrt(budget.max_pixels * width // (f * f * height)))
         if h * w > budget.max_pixels:  # the short side is pinned at one grid cell: trim the long one
             if h >= w:
                 h = max(f, budget.max_pixels // w // f * f)
             else:
                 w = max(f, budget.max_pixels // h // f * f)
-    elif h * w < budget.min_pixels:
-        scale = math.sqrt(budget.min_pixels / (height * width))
-        h = math.ceil(height * scale / f) * f
-        w = math.ceil(width * scale / f) * f
+    elif h * w < budget.min_pixels:  # scale both sides by sqrt(min / area), rounded up onto the grid
+        h = f * _ceil_sqrt(budget.min_pixels * height, f * f * width)
+        w = f * _ceil_sqrt(budget.min_pixels * width, f * f * height)
         while h * w > budget.max_pixels:  # rounding up overshot a tight budget: shrink the long side
             if h >= w:
                 h -= f
             else:
                 w -= f
+    if not budget.min_pixels <= h * w <= budget.max_pixels:
+        return _closest_in_budget(height, width, budget) or (h, w)
     return h, w
+
+
+def _ceil_sqrt(numerator: int, denominator: int) -> int:
+    """The smallest n with n * n >= numerator / denominator, in integers: a float square root can
+    land a hair under a whole number and lose a grid cell (10000 x 10000 at 12544 px came out 84 x 84)."""
+    return math.isqrt(-(-numerator // denominator) - 1) + 1
+
+
+def _closest_in_budget(height: int, width: int, budget: PixelBudget) -> tuple[int, int] | None:
+    """The grid size within [min_pixels, max_pixels] whose aspect ratio is nearest the image's (the
+    larger on a tie), for budgets so narrow (min near max) that snapping each side misses them; None
+    when no grid size fits, and then `max_pixels` wins."""
+    f = budget.factor
+    least, most = -(-budget.min_pixels // (f * f)), budget.max_pixels // (f * f)
+    ratio = width / height
+    best: tuple[float, int, int, int] | None = None
+    for rows in range(1, most + 1):
+        low, high = -(-least // rows), most // rows
+        if low > high:
+            continue
+        cols = min(max(round(rows * ratio), low), high)
+        candidate = (abs(math.log(cols / rows / ratio)), -rows * cols, rows, cols)
+        best = candidate if best is None else min(best, candidate)
+    return None if best is None else (best[2] * f, best[3] * f)
 
 
 def fit_image(image: Image.Image, budget: PixelBudget) -> Image.Image:

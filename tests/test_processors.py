@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -120,3 +121,33 @@ def test_tight_budget_never_exceeds_max_pixels() -> None:
     for w, h in [(40, 70), (70, 40), (13, 17), (56, 56), (100, 30)]:
         rh, rw = smart_size(h, w, tight)
         assert rh * rw <= tight.max_pixels and rh % 28 == 0 and rw % 28 == 0
+
+
+# Budgets where min = max (as in configs/quickstart.yaml): one area fits, on Qwen2.5's 28 px grid and
+# Qwen3-VL's 32 px grid.
+EXACT_BUDGETS = [
+    PixelBudget(12544, 12544),
+    PixelBudget(200704, 200704),
+    PixelBudget(56 * 56, 56 * 56),
+    PixelBudget(16384, 16384, patch_size=16),
+]
+
+
+@pytest.mark.parametrize("budget", EXACT_BUDGETS, ids=lambda b: f"{b.min_pixels}px-grid{b.factor}")
+@pytest.mark.parametrize(("w", "h"), [(10000, 10000), (10000, 9999), (4000, 3000), (3000, 4000), (1, 1)])
+def test_any_image_lands_exactly_on_a_budget_where_min_equals_max(
+    budget: PixelBudget, w: int, h: int
+) -> None:
+    rh, rw = smart_size(h, w, budget)
+    assert rh % budget.factor == 0 and rw % budget.factor == 0
+    assert rh * rw == budget.min_pixels, f"{w}x{h} became {rw}x{rh}"
+    assert abs(rw / rh - w / h) / (w / h) < 0.5
+
+
+def test_a_huge_image_is_read_without_pils_raw_warning(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "huge.png"
+    Image.new("RGB", (90, 90), (10, 20, 30)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)  # 90 x 90 is past PIL's warning, short of its error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_image(path).size == (90, 90)
