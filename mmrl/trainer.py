@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,7 +44,7 @@ from mmrl.algorithms import (
     overlong_penalty,
 )
 from mmrl.batch import Batch, concat
-from mmrl.config import Config, ConfigError, dump_config
+from mmrl.config import Config, ConfigError
 from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptDataset, PromptLoader, PromptSample, image_budget
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
@@ -51,8 +52,12 @@ from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
+from mmrl.optim import apply_settings
+from mmrl.resume import check_resume, record_config
 from mmrl.rollout import SamplingParams, engine_from_config
+from mmrl.run_lock import RunLock
 from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
+from mmrl.stop_signals import RunInterrupted, StopSignals
 from mmrl.warmup import format_warmup
 from processors import VideoBudget
 from rewards import RewardManager
@@ -77,13 +82,23 @@ class Trainer:
     """Builds every part from the config, then runs `fit`; `resume=True` continues the newest checkpoint."""
 
     def __init__(self, cfg: Config, resume: bool = False, console: Console | None = None) -> None:
+        self.lock = RunLock(cfg.run_dir)  # held until `fit` ends: a second run in the folder stops at once
+        try:
+            self._build(cfg, resume, console)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, cfg: Config, resume: bool, console: Console | None) -> None:
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = cfg.run_dir
         if not resume:
             refuse_to_overwrite(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        start, changes = check_resume(self.run_dir, cfg) if resume else (0, "")
+        if changes:
+            self.console.print(changes, markup=False, highlight=False, soft_wrap=True)
+        record_config(self.run_dir, cfg, start)
         seed_everything(cfg.trainer.seed)
         device = (
             cfg.trainer.device
@@ -144,6 +159,7 @@ class Trainer:
         finally:
             if self.workers is not None:
                 self.workers.shutdown()
+            self.lock.release()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg.trainer
@@ -158,7 +174,7 @@ class Trainer:
         if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self._validates:
             with self._worker_errors():
                 self.logger.log(0, self.validate())
-        with self._progress() as bar:
+        with self._progress() as bar, StopSignals() as stop:
             task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")
             while self.step < cfg.total_steps:
                 before = self._small_state()
@@ -171,6 +187,8 @@ class Trainer:
                     self._check_numerics(metrics, before)
                     self._save_if_due()
                 bar.update(task, completed=self.step, info=_progress_info(metrics))
+                if stop.received and self.step < cfg.total_steps:
+                    self._stop_on(stop.received)
         plot_reward_curve(
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
         )
@@ -188,6 +206,19 @@ class Trainer:
         elif due or self.save_deferred:
             self.save()
             self.save_deferred = False
+
+    def _stop_on(self, signum: int) -> None:
+        """End the run after a pre-emption signal with the newest state worth resuming saved: this
+        step's, or during a run of numerically bad steps the last good one."""
+        small = self.last_good or self._small_state()
+        folder = self.run_dir / "checkpoints" / f"step_{small['step']:08d}"
+        if not ckpt.is_complete(folder):
+            folder = self.save(small)
+        raise RunInterrupted(
+            f"{signal.Signals(signum).name}: stopped after step {self.step} of "
+            f"{self.cfg.trainer.total_steps}; the checkpoint of step {small['step']} is in {folder}.",
+            signum,
+        )
 
     def train_step(self) -> dict[str, Any]:
         timer = _Timer()
@@ -504,6 +535,8 @@ class Trainer:
                 ckpt.load_model_weights(self.model, folder)
             self.actor.optimizer.load_state_dict(state["optimizer"])
             self.actor.scheduler.load_state_dict(state["scheduler"])
+            # The config's lr over the checkpoint's: a resume may change it.
+            apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)
         self._load_source_state(state)
         ckpt.set_rng_state(state["rng"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
