@@ -264,10 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
-    """How to go on after an interrupted command: for `mmrl train`, the same command with --resume."""
+    """How `mmrl train` goes on after it was interrupted: the same command with --resume. Other commands
+    (the quickstart too) start over when run again."""
     if args.command != "train":
-        return "Run the same command again to go on."
-    return f"To go on: {shlex.join(['mmrl', 'train', args.config, *args.overrides, '--resume'])}"
+        return ""
+    return f" To go on: {shlex.join(['mmrl', 'train', args.config, *args.overrides, '--resume'])}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,12 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     except RunInterrupted as err:  # SIGTERM or Ctrl-C, after a checkpoint was saved
-        Console(stderr=True).print(f"{err} {_resume_hint(args)}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"{err}{_resume_hint(args)}", highlight=False, soft_wrap=True)
         return err.exit_code
-    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
-        print(
-            f"interrupted; checkpoints up to the last save are intact. {_resume_hint(args)}", file=sys.stderr
-        )
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the training loop: stopped at once
+        kept = "; checkpoints up to the last save are intact." if args.command == "train" else "."
+        print(f"interrupted{kept}{_resume_hint(args)}", file=sys.stderr)
         return 130
     except RunStopped as err:  # an engine failure, a full disk, diverged gradients
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
