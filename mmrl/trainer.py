@@ -20,14 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -53,6 +45,7 @@ from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.optim import apply_settings
+from mmrl.progress import TrainingProgress
 from mmrl.resume import check_resume, record_config
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.run_lock import RunLock
@@ -171,11 +164,13 @@ class Trainer:
         self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
         # A resumed run's step-0 record is already in the log (a checkpoint of step 0 is written when
         # the very first steps all fail numerically).
+        progress = TrainingProgress(self.console, cfg.total_steps, self.step, cfg.progress)
         if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self._validates:
             with self._worker_errors():
-                self.logger.log(0, self.validate())
-        with self._progress() as bar, StopSignals() as stop:
-            task = bar.add_task("training", total=cfg.total_steps, completed=self.step, info="")
+                baseline = self.validate()
+                self.logger.log(0, baseline)
+            progress.validated(0, baseline)
+        with progress, StopSignals() as stop:
             while self.step < cfg.total_steps:
                 before = self._small_state()
                 self.step += 1
@@ -186,7 +181,7 @@ class Trainer:
                     self.logger.log(self.step, metrics)
                     self._check_numerics(metrics, before)
                     self._save_if_due()
-                bar.update(task, completed=self.step, info=_progress_info(metrics))
+                progress.update(self.step, metrics)
                 if stop.received and self.step < cfg.total_steps:
                     self._stop_on(stop.received)
         plot_reward_curve(
@@ -699,18 +694,6 @@ class Trainer:
             )
         set_peft_model_state_dict(self.peft, load_file(adapter))
 
-    def _progress(self) -> Progress:
-        return Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-            disable=not self.cfg.trainer.progress,
-        )
-
 
 def build_datasets(
     cfg: Config, processor: Any, model_config: Any
@@ -888,10 +871,3 @@ def _data_metrics(batch: Batch, skipped: dict[str, int], epoch: int) -> dict[str
     metrics["data/epoch"] = epoch
     metrics["data/rows"] = [p.row_id for p in batch.prompts]
     return metrics
-
-
-def _progress_info(metrics: dict[str, Any]) -> str:
-    text = f"reward {metrics.get('reward/mean', float('nan')):.3f}"
-    if "val/accuracy" in metrics:
-        text += f"  val acc {metrics['val/accuracy']:.3f}"
-    return text

@@ -130,3 +130,17 @@ def test_user_policy_loss_from_a_file_is_used(tmp_path, tiny_model_dir) -> None:
     data = _mixed_dataset(tmp_path / "data")
     assert _train(tiny_model_dir, data, tmp_path / "run", f"actor.policy_loss={loss}:logged_ppo") == 0
     assert marker.read_text() == "xx"  # one micro-batch per step, two steps
+
+
+def test_piped_output_has_a_plain_line_per_step_and_per_validation(tmp_path, tiny_model_dir, capsys) -> None:
+    """Under pytest stdout is not a terminal, as in a job log, where rich's bar would draw nothing."""
+    data = _mixed_dataset(tmp_path / "data")
+    val = ["data.val_files=[" + str(data) + "]", "trainer.val_every=2", "trainer.val_before_train=true"]
+    assert _train(tiny_model_dir, data, tmp_path / "run", "trainer.progress=true", *val) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/2", "2/2"], lines
+    assert all("reward " in line and " s/step" in line and "ETA " in line for line in steps)
+    validations = [line for line in lines if line.startswith("validation at step ")]
+    assert [line.split()[3] for line in validations] == ["0:", "2:"], lines
+    assert all("accuracy " in line for line in validations)
