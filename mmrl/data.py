@@ -38,6 +38,7 @@ from processors import (
     build_messages,
     encode_prompt,
     fit_image,
+    is_huge,
     load_image,
     num_image_tokens,
     pixel_inputs,
@@ -77,6 +78,19 @@ def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:
     """`data.min_pixels`/`max_pixels` on the checkpoint's own patch and merge sizes."""
     grid = family_of(model_config).grid()
     return PixelBudget(cfg.min_pixels, cfg.max_pixels, grid.patch, grid.merge)
+
+
+class NoUsableRows(ConfigError):
+    """A data set none of whose rows can be used: the data or the column names are wrong, so the
+    message says what was skipped and why, not that training failed."""
+
+
+class PreparedRows(list[PromptSample]):
+    """Prepared samples (a validation set), with the skip counts of the rows they were drawn from."""
+
+    def __init__(self, samples: list[PromptSample], skipped: Counter[str]) -> None:
+        super().__init__(samples)
+        self.skipped = skipped
 
 
 class SkipRow(Exception):
@@ -358,6 +372,7 @@ class PromptDataset:
         budget: PixelBudget | None,
         max_prompt_length: int,
         data_format: str = "auto",
+        origin: str = "the data",
         prompt_key: str | None = None,
         answer_key: str | None = None,
         image_key: str = "images",
@@ -370,12 +385,14 @@ class PromptDataset:
         video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
     ) -> None:
         """`video_placeholder` is the model family's (`Family.video_placeholder`). A text-only
-        model's dataset has no image processor and no pixel budget (None)."""
+        model's dataset has no image processor and no pixel budget (None). `origin` names the data
+        in messages, e.g. `data.train_files (train.jsonl)`."""
         if data_format not in ("auto", *FORMAT_KEYS):
             raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
         self.format = detect_format(rows) if data_format == "auto" else data_format
         default_prompt, default_answer = FORMAT_KEYS[self.format]
         self.rows = rows
+        self.origin = origin
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.budget = budget
@@ -387,6 +404,7 @@ class PromptDataset:
         self.system_prompt = system_prompt
         self.template = Template(format_prompt) if format_prompt else None
         self.bad_rows: dict[int, str] = {}  # row index -> skip reason; each bad row counts once
+        self.huge_rows: dict[int, int] = {}  # row index -> its images past PIL's decompression-bomb size
 
     @classmethod
     def from_config(
@@ -399,8 +417,10 @@ class PromptDataset:
         video_budget: VideoBudget | None = None,
         video_processor: Any = None,
         video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
+        key: str = "train_files",
     ) -> PromptDataset:
-        """The dataset of `files` (train or val) read and keyed as the `data` config section says."""
+        """The dataset of `files`, data.`key` (train_files or val_files), read and keyed as the `data`
+        config section says."""
         return cls(
             read_rows(files),
             tokenizer,
@@ -408,6 +428,7 @@ class PromptDataset:
             budget=budget,
             max_prompt_length=cfg.max_prompt_length,
             data_format=cfg.format,
+            origin=f"data.{key} ({', '.join(map(str, files))})",
             prompt_key=cfg.prompt_key,
             answer_key=cfg.answer_key,
             image_key=cfg.image_key,
@@ -434,6 +455,41 @@ class PromptDataset:
     def skipped(self) -> Counter[str]:
         """How many distinct rows were skipped, by reason."""
         return Counter(self.bad_rows.values())
+
+    @property
+    def huge_images(self) -> int:
+        """How many images past PIL's decompression-bomb size the rows read so far hold."""
+        return sum(self.huge_rows.values())
+
+    def unusable(self) -> NoUsableRows:
+        """The error for data none of whose rows could be used: the skip counts by reason, and the
+        columns to name when the rows look like another layout."""
+        if not self.rows:
+            return NoUsableRows(f"{self.origin} is empty: it holds no rows; point it at a file with data")
+        counts = ", ".join(f"{reason} {n}" for reason, n in self.skipped.most_common())
+        return NoUsableRows(
+            f"{self.origin}: no usable row; all {len(self.bad_rows)} rows read were skipped ({counts})"
+            f"{self._layout_hint()}"
+        )
+
+    def _layout_hint(self) -> str:
+        """When no row has the prompt or answer column (or, with `<image>` markers left unmatched, the
+        image column) the config names, the columns the rows do have and the keys that pick them."""
+        columns = sorted(set().union(*(row.keys() for row, _ in self.rows if "__bad__" not in row)))
+        names = ("data.prompt_key", "data.answer_key", "data.image_key")
+        absent = [
+            (name, key)
+            for name, key in zip(names, self.keys, strict=True)
+            if all(lookup(row, key) is None for row, _ in self.rows)
+            and (name != "data.image_key" or "image_marker_mismatch" in self.skipped)
+        ]
+        if not columns or not absent:
+            return ""
+        missing = " or ".join(f"{key!r} ({name})" for name, key in absent)
+        return (
+            f". No row has a column {missing}; the rows have {columns}, so set "
+            f"{', '.join(name for name, _ in absent)} to the columns that hold them"
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -475,6 +531,7 @@ class PromptDataset:
             )
         try:
             images = [load_image(src, base_dir=base) for src in sources]
+            self._note_huge(index, images)
             fitted = [fit_image(image, self.budget) for image in images]
         except ImageError as err:
             raise SkipRow("bad_image", str(err)) from None
@@ -518,6 +575,26 @@ class PromptDataset:
             sample.second_per_grid_ts = v["second_per_grid_ts"]
         return sample
 
+    def _note_huge(self, index: int, images: list[Image.Image]) -> None:
+        """Count images past PIL's decompression-bomb size, logging the first: they are used, but
+        decoding them costs far more than the small model input they become."""
+        huge = [image for image in images if is_huge(image)]
+        if not huge:
+            return
+        if not self.huge_rows:
+            log.warning(
+                "%s row %d: a %dx%d image (%.0f megapixels) is far larger than the model sees (at most "
+                "data.max_pixels=%d); it is used, but decoding it is slow and takes much memory. Shrink "
+                "such images before training; further ones are only counted (data/huge_images)",
+                self.origin,
+                index,
+                huge[0].width,
+                huge[0].height,
+                huge[0].width * huge[0].height / 1e6,
+                self.budget.max_pixels if self.budget else 0,
+            )
+        self.huge_rows[index] = len(huge)
+
     def _videos(self, row: dict[str, Any], base: Path) -> list[Video] | None:
         """The row's videos decoded, sampled and sized (None: the row has no video column)."""
         sources = lookup(row, self.video_key)
@@ -554,10 +631,10 @@ class PromptDataset:
         lifted = extra.get(LIFTED_COLUMN)
         return {**lifted, **extra} if isinstance(lifted, dict) else extra
 
-    def prepare_all(self, limit: int | None = None) -> list[PromptSample]:
+    def prepare_all(self, limit: int | None = None) -> PreparedRows:
         """Every usable row (validation sets are small enough to hold prepared)."""
         indices = range(len(self) if limit is None else min(limit, len(self)))
-        return [s for s in (self.prepare(i) for i in indices) if s is not None]
+        return PreparedRows([s for s in (self.prepare(i) for i in indices) if s is not None], self.skipped)
 
 
 class PromptLoader:
@@ -569,7 +646,7 @@ class PromptLoader:
 
     def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True) -> None:
         if len(dataset) == 0:
-            raise ValueError("the training set is empty; check data.train_files")
+            raise dataset.unusable()
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
@@ -585,7 +662,6 @@ class PromptLoader:
     def next_batch(self) -> list[PromptSample]:
         batch: list[PromptSample] = []
         order = self._order()
-        failures = 0
         while len(batch) < self.batch_size:
             if self.position >= len(order):
                 self.epoch, self.position = self.epoch + 1, 0
@@ -594,12 +670,8 @@ class PromptLoader:
             self.position += 1
             if sample is not None:
                 batch.append(sample)
-                failures = 0
-            elif (failures := failures + 1) > len(self.dataset):
-                raise RuntimeError(
-                    f"no usable rows in the training set: {failures} failed in a row; "
-                    f"skipped so far: {dict(self.dataset.skipped)}"
-                )
+            elif len(self.dataset.bad_rows) == len(self.dataset):  # every row tried and skipped
+                raise self.dataset.unusable()
         return batch
 
     def state_dict(self) -> dict[str, int]:

@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -38,7 +39,7 @@ from mmrl.algorithms import (
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError
 from mmrl.critic import Critic, ValueModel
-from mmrl.data import PromptDataset, PromptLoader, PromptSample, image_budget
+from mmrl.data import PreparedRows, PromptDataset, PromptLoader, image_budget
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
@@ -297,9 +298,11 @@ class Trainer:
 
     def _scored_rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
         """Generate for the loader's next prompts and score them, overlong shaping included."""
-        with timer("rollout"), self._engine_errors("rollout"):
-            batch = self.engine.generate(self.loader.next_batch(), self.train_sampling)
-            self.engine.sleep()
+        with timer("rollout"):
+            prompts = self.loader.next_batch()  # data without a usable row is no engine failure
+            with self._engine_errors("rollout"):
+                batch = self.engine.generate(prompts, self.train_sampling)
+                self.engine.sleep()
         with timer("reward"):
             scores, metrics = self.score(batch, prefix="reward")
         algo = self.cfg.algorithm
@@ -338,14 +341,22 @@ class Trainer:
         return bool(self.val_samples)
 
     def _source_metrics(self, batch: Batch) -> dict[str, Any]:
-        return _data_metrics(batch, self.train_set.skipped, self.loader.epoch)
+        metrics = _data_metrics(batch, self.train_set.skipped, self.loader.epoch)
+        if self.train_set.huge_images:
+            metrics["data/huge_images"] = self.train_set.huge_images
+        return metrics
 
     def _source_state(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "bad_rows": dict(self.train_set.bad_rows)}
+        return {
+            "loader": self.loader.state_dict(),
+            "bad_rows": dict(self.train_set.bad_rows),
+            "huge_rows": dict(self.train_set.huge_rows),
+        }
 
     def _load_source_state(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
         self.train_set.bad_rows = dict(state["bad_rows"])
+        self.train_set.huge_rows = dict(state.get("huge_rows", {}))  # absent in older checkpoints
 
     def _close_source(self) -> None:
         self.rewards.close()
@@ -427,6 +438,7 @@ class Trainer:
                 self.engine, self.rewards, self.val_samples, params, self.cfg.data.val_batch_size
             )
         metrics = reward_metrics(result, prefix="val")
+        metrics.update({f"val/skipped/{reason}": n for reason, n in self.val_samples.skipped.items()})
         key = f"val/{self.accuracy_key}"
         metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
         if self.cfg.trainer.gallery_samples:
@@ -695,9 +707,7 @@ class Trainer:
         set_peft_model_state_dict(self.peft, load_file(adapter))
 
 
-def build_datasets(
-    cfg: Config, processor: Any, model_config: Any
-) -> tuple[PromptDataset, list[PromptSample]]:
+def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[PromptDataset, PreparedRows]:
     """The training set (prepared lazily, row by row) and the prepared validation samples.
 
     A text-only model's processor is its tokenizer: its datasets have no pixel budgets, and rows
@@ -707,7 +717,11 @@ def build_datasets(
     tok = tokenizer_of(processor)
     if not family.takes_images:
         train = PromptDataset.from_config(d.train_files, d, tok, None, None)
-        val_set = PromptDataset.from_config(d.val_files, d, tok, None, None) if d.val_files else None
+        val_set = (
+            PromptDataset.from_config(d.val_files, d, tok, None, None, key="val_files")
+            if d.val_files
+            else None
+        )
         for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
             media = dataset.media_rows() if dataset is not None else 0
             if media:
@@ -736,14 +750,22 @@ def build_datasets(
     images = processor.image_processor
     videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
     train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
-    val_set = PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos) if d.val_files else None
+    val_set = (
+        PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos, key="val_files")
+        if d.val_files
+        else None
+    )
     return train, _prepared_val(val_set, d.max_val_samples)
 
 
-def _prepared_val(val_set: PromptDataset | None, limit: int | None) -> list[PromptSample]:
+def _prepared_val(val_set: PromptDataset | None, limit: int | None) -> PreparedRows:
+    """The validation samples; a validation set with no usable row is refused rather than
+    silently turning validation off."""
     if val_set is None:
-        return []
+        return PreparedRows([], Counter())
     val = val_set.prepare_all(limit)
+    if not val:
+        raise val_set.unusable()
     if val_set.skipped:
         log.warning("validation rows skipped: %s", dict(val_set.skipped))
     return val

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mmrl.config import ConfigError
 from mmrl.data import PromptDataset, PromptLoader, read_rows
 from mmrl.models import load_processor
 from processors import PixelBudget, num_image_tokens
@@ -260,12 +261,15 @@ def test_fresh_loader_without_state_does_not_resume(corpus, processor) -> None:
     assert _run(a, 1) != _run(b, 1)
 
 
-def test_loader_with_no_usable_rows_raises_instead_of_spinning(tmp_path, processor) -> None:
+def test_loader_with_no_usable_rows_stops_with_the_skip_counts_instead_of_spinning(
+    tmp_path, processor
+) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"problem": "x"}\n{"answer": "y"}\nnot json\n')
     loader = PromptLoader(_dataset(path, processor), batch_size=2, seed=0)
-    with pytest.raises(RuntimeError, match="no usable rows"):
+    with pytest.raises(ConfigError, match=r"no usable row; all 3 rows read were skipped") as info:
         loader.next_batch()
+    assert all(f"{reason} 1" in str(info.value) for reason in ("missing_answer", "missing_prompt", "bad_row"))
 
 
 def test_empty_training_set_is_refused(tmp_path, processor) -> None:

@@ -22,13 +22,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from faultkit import CONFIG, raw_records
+from faultkit import CONFIG, overrides, raw_records
 from PIL import Image
 
 from mmrl.cli import main
@@ -222,3 +223,81 @@ def _check_used_rows(seen: dict[str, dict[str, Any]]) -> None:
     assert seen["answer dict"]["truth"] == {"colour": "red"}
     assert "颜色" in seen["unicode"]["prompt"]
     assert Counter(len(e["modes"]) for e in seen.values()) == Counter({1: len(seen) - 1, 0: 1})
+
+
+def _train(tmp_path: Path, task: dict[str, Path], *extra: str) -> int:
+    """One step of the tiny model on the colour task, with `extra` overrides last."""
+    return main(
+        [
+            "train",
+            CONFIG,
+            *overrides(task["model"], task["train"], tmp_path / "run", task["reward"], 1),
+            *extra,
+        ]
+    )
+
+
+def _one_line(text: str) -> str:
+    """Rich wraps long messages at the console width; compare text with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+def _rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def task(colour_task: dict[str, Path], tiny_model_dir: Path) -> dict[str, Path]:
+    return {**colour_task, "model": tiny_model_dir}
+
+
+def test_data_of_another_layout_stops_with_skip_counts_and_the_keys_to_set(tmp_path, task, capsys) -> None:
+    rows = [{"question": "<image>What colour?", "image": "a.png", "label": "red"}] * 3
+    data = _rows(tmp_path / "other.jsonl", rows)
+    assert _train(tmp_path, task, f"data.train_files={data}") == 2
+    err = capsys.readouterr().err
+    line = _one_line(err)
+    assert "Traceback" not in err and "--resume" not in line and "engine" not in line.lower()
+    assert (
+        f"data.train_files ({data}): no usable row; all 3 rows read were skipped (missing_prompt 3)" in line
+    )
+    assert "'problem' (data.prompt_key)" in line and "['image', 'label', 'question']" in line
+    assert "set data.prompt_key, data.answer_key" in line
+
+
+def test_an_empty_data_file_returns_2_naming_it(tmp_path, task, capsys) -> None:
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    assert _train(tmp_path, task, f"data.train_files={data}") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"data.train_files ({data}) is empty" in _one_line(err)
+
+
+def test_a_validation_set_with_no_usable_row_is_refused_at_start(tmp_path, task, capsys) -> None:
+    val = _rows(tmp_path / "val.jsonl", [{"problem": "What colour?"}, {"problem": "And now?"}])
+    assert _train(tmp_path, task, f"data.val_files={val}", "trainer.val_before_train=true") == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"data.val_files ({val}): no usable row; all 2 rows read were skipped (missing_answer 2)" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_validation_skips_and_huge_images_are_counted_in_the_metrics(
+    tmp_path, task, caplog, monkeypatch
+) -> None:
+    good = json.loads(task["val"].read_text().splitlines()[0])
+    good["images"] = [str(task["val"].parent / image) for image in good["images"]]
+    val = _rows(tmp_path / "val.jsonl", [good, {"problem": "What colour?"}])
+    # The colour task's 56 x 56 images count as huge (past PIL's decompression-bomb size) under this limit.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="mmrl.data"):
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        code = _train(tmp_path, task, f"data.val_files={val}", "trainer.val_before_train=true")
+    assert code == 0
+    first, step = raw_records(tmp_path / "run")
+    assert first["step"] == 0 and first["val/skipped/missing_answer"] == 1
+    assert step["data/huge_images"] == 4  # one image in each of the step's 4 prompts
+    huge = [r.getMessage() for r in caplog.records if "far larger than the model sees" in r.getMessage()]
+    assert len(huge) == 2, "logged once per data set, in mmrl's words"
+    assert [m.split(" (")[0] for m in huge] == ["data.val_files", "data.train_files"]
+    assert all("56x56 image" in m and "data/huge_images" in m for m in huge)
