@@ -1,4 +1,4 @@
-"""The RL loop (DESIGN.md): generate, score, log-probs, advantages, update, sync, log, save."""
+"""The RL loop: generate, score, log-probs, advantages, update, sync, log, save."""
 
 from __future__ import annotations
 
