@@ -13,6 +13,7 @@ from rich.console import Console
 
 from mmrl.config import Config, ConfigError, dump_config, load_config
 from mmrl.errors import RunStopped
+from mmrl.logger import DISK_FULL
 from mmrl.recipes import resolve_config
 from mmrl.stop_signals import RunInterrupted
 
@@ -296,6 +297,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except RunStopped as err:  # an engine failure, a full disk, diverged gradients
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        return 1
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        where = f" while writing {err.filename}" if err.filename else ""
+        Console(stderr=True).print(
+            f"[bold red]error:[/] no space left on the device{where}; free some space, then run the command "
+            f"again{' with --resume (checkpoints written so far are intact)' if args.command == 'train' else ''}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 1
 
 

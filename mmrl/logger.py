@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import json
 import math
@@ -13,9 +14,12 @@ from typing import Any
 from rich.console import Console
 
 from mmrl.config import ConfigError
+from mmrl.errors import RunStopped
 
 # Hosted trackers, used when listed in `trainer.loggers`; each is an optional install.
 TRACKERS = ("wandb", "swanlab")
+# What a write fails with when the disk, or the user's quota on it, is full.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class MetricsLogger:
@@ -47,8 +51,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         if "jsonl" in self.backends:
-            with self.jsonl.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            self._append(step, json.dumps(record) + "\n")
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -58,6 +61,21 @@ class MetricsLogger:
             scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
             for tracker in self.trackers:
                 tracker.log(scalars, step=step)
+
+    def _append(self, step: int, line: str) -> None:
+        """One line of metrics.jsonl. A full disk stops the run here, before the step's checkpoint: a
+        checkpoint whose step is missing from the log would leave a hole that a resume cannot fill."""
+        try:
+            with self.jsonl.open("a") as fh:
+                fh.write(line)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise RunStopped(
+                f"step {step}: could not write {self.jsonl}: no space left on the device. The checkpoints in "
+                f"{self.run_dir / 'checkpoints'} are intact; free some space, then run the same command with "
+                "--resume (the steps after the newest checkpoint are redone)"
+            ) from None
 
     def resume_at(self, step: int) -> None:
         """Continue after checkpoint `step`: TensorBoard discards the interrupted run's later events.

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from faultkit import CONFIG, finish, overrides, raw_records, start, train_argv, weights
+from PIL import Image
 
 from mmrl import checkpoint as ckpt
 from mmrl.cli import main
@@ -132,3 +133,62 @@ def test_host_memory_stays_flat_over_50_quickstart_steps(tmp_path: Path, tiny_mo
         f"RSS trend from step 10 to 50: {growth:+.1f} MB (bound {RSS_GROWTH_BOUND_MB} MB); every 5 steps: {curve}"
     )
     assert growth < RSS_GROWTH_BOUND_MB, f"host RSS grew {growth:.1f} MB from step 10 to 50: {curve}"
+
+
+class _FullDisk:
+    """A file on a full disk: every write fails with ENOSPC, as a real one does once it has filled up."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> _FullDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_disk_that_fills_up_while_writing_metrics(
+    tmp_path: Path, tiny_model_dir: Path, colour_task, capsys, monkeypatch
+) -> None:
+    """Simulated: a disk that has room for step 1's checkpoint but not step 2's metrics line cannot be
+    made reliably here, so the metrics file's writes fail from step 2 on, as they would on it."""
+    real_open = Path.open
+
+    def fills_up(self: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(self, mode, *args, **kwargs)
+        if self.name == "metrics.jsonl" and "a" in mode and self.stat().st_size:
+            return _FullDisk(handle)
+        return handle
+
+    monkeypatch.setattr(Path, "open", fills_up)
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, colour_task["train"], run, colour_task["reward"], 3)
+    args.append("reward.functions=[{name: answer_match}]")  # built in: no reward workers to start
+    assert main(["train", CONFIG, *args, *SAVE_EVERY_STEP]) == 1
+    captured = capsys.readouterr()
+    message = " ".join(captured.err.split())
+    assert f"step 2: could not write {run / 'metrics.jsonl'}: no space left on the device" in message
+    assert "--resume" in message and "Traceback" not in captured.err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
+
+    monkeypatch.setattr(Path, "open", real_open)  # space freed
+    assert main(["train", CONFIG, *args, *SAVE_EVERY_STEP, "--resume"]) == 0
+    assert [r["step"] for r in raw_records(run)] == [1, 2, 3]
+
+
+def test_a_full_disk_elsewhere_ends_the_command_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Simulated (see above): any other write that meets a full disk, here an image of `mmrl data synth`."""
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "d" / "images" / "x.png"))
+
+    monkeypatch.setattr(Image.Image, "save", full)
+    assert main(["data", "synth", str(tmp_path / "d"), "--n-train", "2", "--n-val", "1"]) == 1
+    captured = capsys.readouterr()
+    message = " ".join(captured.err.split())
+    assert f"no space left on the device while writing {tmp_path / 'd' / 'images' / 'x.png'}" in message
+    assert "Traceback" not in captured.err
