@@ -486,10 +486,9 @@ class PromptDataset:
         if not columns or not absent:
             return ""
         missing = " or ".join(f"{key!r} ({name})" for name, key in absent)
-        return (
-            f". No row has a column {missing}; the rows have {columns}, so set "
-            f"{', '.join(name for name, _ in absent)} to the columns that hold them"
-        )
+        keys = " and ".join(name for name, _ in absent)
+        column = "columns" if len(absent) > 1 else "column"
+        return f". No row has a column {missing}; the rows have columns {columns}: point {keys} at the right {column}"
 
     def __len__(self) -> int:
         return len(self.rows)

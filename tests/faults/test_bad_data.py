@@ -15,6 +15,9 @@ Decided per case (and documented in docs/reliability.md):
   markers than images, or fewer (but some): `image_marker_mismatch`.
 
 A recording reward writes down what each used row looked like to the reward (and so to the model).
+
+Data that cannot be trained on at all (no usable row, an empty file, a validation set with no usable
+row) stops `mmrl train` with one line and exit code 2, before anything is trained.
 """
 
 from __future__ import annotations
@@ -263,7 +266,7 @@ def test_data_of_another_layout_stops_with_skip_counts_and_the_keys_to_set(tmp_p
         f"data.train_files ({data}): no usable row; all 3 rows read were skipped (missing_prompt 3)" in line
     )
     assert "'problem' (data.prompt_key)" in line and "['image', 'label', 'question']" in line
-    assert "set data.prompt_key, data.answer_key" in line
+    assert "point data.prompt_key and data.answer_key at the right columns" in line
 
 
 def test_an_empty_data_file_returns_2_naming_it(tmp_path, task, capsys) -> None:
