@@ -64,6 +64,10 @@ def _preflight(cfg: Config) -> None:
                 resolve_data(name)  # FOLDER@SPLIT and hub-cache names too, not only plain paths
             except (FileNotFoundError, ConfigError) as err:
                 raise type(err)(f"data.{key}: {err}") from None
+    if cfg.env is None:  # env configs are scored by their environment, not by reward functions
+        from mmrl.scoring import check_rewards
+
+        check_rewards(cfg.reward)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -102,6 +106,9 @@ def _eval(args: argparse.Namespace) -> int:
 
         print_table(evaluate_episodes(cfg, args.checkpoint, episodes=args.episodes, out=args.out), Console())
         return 0
+    from mmrl.scoring import check_rewards
+
+    check_rewards(cfg.reward)
     result = evaluate(
         cfg,
         args.checkpoint,

@@ -274,9 +274,25 @@ class RewardFunctionConfig(_Section):
 
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="answer_match")]
-    timeout_s: float = Field(10.0, gt=0)
-    isolation: Literal["inline", "process"] = "inline"
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a call of your function may take before it scores 0 (unset: 10); enforced in "
+        "worker processes and on async functions, so refused for a plain one under isolation: inline",
+    )
+    isolation: Literal["inline", "process"] = Field(
+        "process",
+        description="process: functions from files run in worker processes, so a hang, exit or crash costs "
+        "one score, not the run; inline: in the trainer's process (trusted code only). Built-in graders "
+        "run in-process either way",
+    )
     num_workers: int = Field(2, gt=0)
+    max_all_failed_steps: int = Field(
+        3,
+        ge=0,
+        description="Stop the run after this many steps in a row in which one reward function failed on "
+        "every sample (0: never), naming the function and its first error",
+    )
 
 
 class WarmupConfig(_Section):

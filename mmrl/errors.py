@@ -23,3 +23,7 @@ class WorkerError(RunStopped):
 
 class ResourceError(RunStopped):
     """The Ray cluster cannot hold the workers asked for; raised at startup instead of waiting forever."""
+
+
+class RewardError(RunStopped):
+    """A reward function failed on every sample for too many steps in a row; the run would learn nothing."""

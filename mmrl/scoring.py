@@ -9,14 +9,63 @@ import numpy as np
 import torch
 
 from mmrl.batch import Batch
+from mmrl.config import ConfigError, RewardConfig
 from mmrl.data import PromptSample
+from mmrl.errors import RewardError
 from mmrl.rollout import RolloutEngine, SamplingParams
 from rewards import RewardInput, RewardManager, RewardResult
+from rewards.manager import configure_functions
 
 
 def reward_label(name: str) -> str:
     """The metric name a reward function's score is logged under."""
     return name.rpartition(":")[2] if ":" in name else name
+
+
+def check_rewards(cfg: RewardConfig) -> None:
+    """Load and check every reward function as a run would, starting no worker, so a wrong name, a broken
+    file or a wrong signature stops `mmrl` before any model loads, as one line."""
+    from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
+
+    specs = [f.model_dump() for f in cfg.functions]
+    try:
+        configure_functions(specs, cfg.timeout_s, cfg.isolation)
+    except (ValueError, ImportError, AttributeError, FileNotFoundError) as err:
+        raise ConfigError(f"reward.functions: {err}") from None
+
+
+class FailingRewards:
+    """Stops a run in which one reward function fails on every sample, step after step: its score is 0
+    throughout, so the run would otherwise train on nothing from it to the end, silently.
+
+    `max_steps` in a row (0: never) raise a RewardError naming the function and its first error."""
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self._streaks: dict[str, tuple[int, int, str]] = {}  # label -> (first step, last step, first error)
+
+    def observe(self, step: int, result: RewardResult) -> None:
+        """Count `step` against each function that failed on all of `result`'s samples; a step scored in
+        several rounds (dynamic sampling) counts once."""
+        failed: dict[str, int] = {}
+        for key, count in result.failures.items():
+            label = key.rpartition("/")[0]
+            failed[label] = failed.get(label, 0) + count
+        for label in list(self._streaks):
+            if failed.get(label, 0) < len(result.overall):
+                del self._streaks[label]
+        for label, count in failed.items():
+            if not result.overall or count < len(result.overall):
+                continue
+            first, _, error = self._streaks.get(label, (step, step, result.errors.get(label, "")))
+            self._streaks[label] = (first, step, error)
+            if self.max_steps and step - first + 1 >= self.max_steps:
+                raise RewardError(
+                    f"reward function {label!r} failed on every sample for {step - first + 1} steps in a "
+                    f"row (steps {first}-{step}); its first error: {error}. Fix it, then continue with "
+                    "`mmrl train CONFIG --resume` (the checkpoints are intact), or raise "
+                    "reward.max_all_failed_steps to wait longer"
+                )
 
 
 def reward_metrics(result: RewardResult, prefix: str) -> dict[str, Any]:

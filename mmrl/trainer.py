@@ -50,7 +50,7 @@ from mmrl.progress import TrainingProgress
 from mmrl.resume import check_resume, record_config
 from mmrl.rollout import SamplingParams, engine_from_config
 from mmrl.run_lock import RunLock
-from mmrl.scoring import generate_and_score, reward_inputs, reward_label, reward_metrics
+from mmrl.scoring import FailingRewards, generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.stop_signals import RunInterrupted, StopSignals
 from mmrl.warmup import format_warmup
 from processors import VideoBudget
@@ -334,6 +334,7 @@ class Trainer:
             isolation=cfg.reward.isolation,
             num_workers=cfg.reward.num_workers,
         )
+        self.failing_rewards = FailingRewards(cfg.reward.max_all_failed_steps)
         self.accuracy_key = reward_label(cfg.reward.functions[0].name)
 
     @property
@@ -382,6 +383,8 @@ class Trainer:
 
     def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
         result = self.rewards.score(reward_inputs(batch))
+        if prefix == "reward":  # the training rollouts; a ReMax baseline's greedy answers do not count
+            self.failing_rewards.observe(self.step, result)
         return torch.tensor(result.overall, dtype=torch.float32), reward_metrics(result, prefix)
 
     def advantages(self, batch: Batch, metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ config, not to someone reading this code.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import inspect
@@ -32,11 +33,7 @@ def load_reward_function(spec: str) -> RewardFn:
     if parts is None:
         if spec in GRADERS:
             return GRADERS[spec]
-        hint = f" To use a file, add the function: '{spec}:function_name'." if spec.endswith(".py") else ""
-        raise ValueError(
-            f"unknown reward function {spec!r}.{hint} Built-in graders: {', '.join(sorted(GRADERS))}; "
-            "for your own function use 'path/to/file.py:function_name'."
-        )
+        raise ValueError(f"unknown reward function {spec!r}.{_unknown_name_hint(spec)}")
     path, name = parts
     if path.suffix != ".py" or not name:
         raise ValueError(f"reward spec {spec!r} should look like 'path/to/file.py:function_name'")
@@ -65,10 +62,25 @@ def import_file(path: Path) -> ModuleType:
     sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
+    except SyntaxError as err:
+        del sys.modules[module_name]
+        raise ImportError(f"{err.filename or path}, line {err.lineno}: syntax error: {err.msg}") from err
     except Exception as err:
         del sys.modules[module_name]
-        raise ImportError(f"importing {path} failed: {err!r}") from err
+        raise ImportError(f"importing {path} failed: {type(err).__name__}: {err}") from err
     return module
+
+
+def _unknown_name_hint(spec: str) -> str:
+    """What to write instead of an unknown grader name: the close built-in one, or how to name a file."""
+    if spec.endswith(".py"):
+        return f" To use a file, add the function: '{spec}:function_name'."
+    close = difflib.get_close_matches(spec, GRADERS, n=1)
+    guess = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"{guess} Built-in graders: {', '.join(sorted(GRADERS))}; "
+        "for your own function use 'path/to/file.py:function_name'."
+    )
 
 
 def _functions_defined_in(module: ModuleType) -> list[str]:

@@ -25,6 +25,7 @@ from rewards.types import RewardInput, RewardResult
 logger = logging.getLogger("mmrl.rewards")
 
 _SPEC_KEYS = {"name", "weight", "kwargs", "batched"}
+DEFAULT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -50,35 +51,30 @@ class RewardManager:
     batch with list[RewardInput] and returns one score per sample. An `async def` function is detected and
     awaited: the calls of one batch run concurrently, each limited to `timeout_s`, in-process too.
 
-    With isolation="process", functions from files run in `num_workers` spawned processes, each call (a
-    batched call counts as one) limited to `timeout_s`; built-in graders are trusted and fast, so they run
-    in-process either way. With isolation="inline" everything runs in-process: exceptions and invalid values
-    are still caught, but only async calls have a timeout.
+    With isolation="process" (the default), functions from files run in `num_workers` spawned processes,
+    each call (a batched call counts as one) limited to `timeout_s` (None: 10 s), so a call that hangs,
+    exits or crashes the interpreter costs one score, not the run; built-in graders are trusted and fast, so
+    they run in-process either way. With isolation="inline" everything runs in-process: exceptions and
+    invalid values are still caught, but only async calls can be cut off, so a `timeout_s` given for a
+    synchronous file function there is refused rather than ignored.
     """
 
     def __init__(
         self,
         specs: list[dict[str, Any]],
-        timeout_s: float = 10.0,
-        isolation: Literal["inline", "process"] = "inline",
+        timeout_s: float | None = None,
+        isolation: Literal["inline", "process"] = "process",
         num_workers: int = 2,
     ):
-        if isolation not in ("inline", "process"):
-            raise ValueError(f"isolation must be 'inline' or 'process', got {isolation!r}")
-        if not timeout_s > 0 or num_workers < 1:
-            raise ValueError(f"need timeout_s > 0 and num_workers >= 1, got {timeout_s} and {num_workers}")
-        if not specs:
-            raise ValueError("RewardManager needs at least one reward function spec")
-        self._functions = [_configure(spec, isolate=isolation == "process") for spec in specs]
-        labels = [f.label for f in self._functions]
-        if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
-            raise ValueError(f"reward functions must have distinct names; repeated: {', '.join(duplicates)}")
+        self._functions = configure_functions(specs, timeout_s, isolation)
+        if num_workers < 1:
+            raise ValueError(f"need num_workers >= 1, got {num_workers}")
         self._logged: set[tuple[str, str]] = set()
-        self._timeout_s = timeout_s
+        self._timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._loop = EventLoop()
         self._remote = [f for f in self._functions if f.remote]
         worker_functions = [f.remote_function() for f in self._remote]
-        self._pool = WorkerPool(worker_functions, num_workers, timeout_s) if worker_functions else None
+        self._pool = WorkerPool(worker_functions, num_workers, self._timeout_s) if worker_functions else None
         self._closed = False
 
     def score(self, samples: list[RewardInput]) -> RewardResult:
@@ -131,6 +127,7 @@ class RewardManager:
             for i, outcome in enumerate(outcomes[f.label]):
                 if outcome.kind != "ok":
                     result.failures[f"{f.label}/{outcome.kind}"] += 1
+                    result.errors.setdefault(f.label, _summary(outcome))
                     self._log_first(f.label, outcome)
                     continue
                 for key, value in outcome.scores.items():
@@ -161,6 +158,41 @@ class RewardManager:
             )
 
 
+def configure_functions(
+    specs: list[dict[str, Any]], timeout_s: float | None, isolation: Literal["inline", "process"]
+) -> list[_Function]:
+    """Validate the specs and load every function, starting no worker: the whole check a config gets
+    before a run, so its mistakes surface at launch rather than mid-training."""
+    if isolation not in ("inline", "process"):
+        raise ValueError(f"isolation must be 'inline' or 'process', got {isolation!r}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"need timeout_s > 0, got {timeout_s}")
+    if not specs:
+        raise ValueError("RewardManager needs at least one reward function spec")
+    functions = [_configure(spec, isolate=isolation == "process") for spec in specs]
+    labels = [f.label for f in functions]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise ValueError(f"reward functions must have distinct names; repeated: {', '.join(duplicates)}")
+    unbounded = [
+        f.label for f in functions if split_file_spec(f.spec) and not f.remote and not f.scorer.is_async
+    ]
+    if timeout_s is not None and unbounded:
+        raise ValueError(
+            f"reward.timeout_s={timeout_s:g} cannot be enforced on {', '.join(unbounded)} under "
+            "reward.isolation: inline, as a synchronous call in the trainer's process cannot be cut off; "
+            "use reward.isolation: process (the default) or remove reward.timeout_s"
+        )
+    return functions
+
+
+def _summary(outcome: Outcome) -> str:
+    """A failure in one line: the exception line of a traceback, or the kind and what went wrong."""
+    if outcome.kind == "exception":
+        lines = outcome.detail.strip().splitlines()
+        return lines[-1] if lines else "an exception"
+    return f"{outcome.kind}: {outcome.detail}"
+
+
 def _configure(spec: dict[str, Any], isolate: bool) -> _Function:
     """Validate one spec and load its function, so config mistakes fail at start-up, not mid-training."""
     if unknown := set(spec) - _SPEC_KEYS:
@@ -180,13 +212,26 @@ def _configure(spec: dict[str, Any], isolate: bool) -> _Function:
     if name in BATCHED_GRADERS and not batched:
         raise ValueError(f"the built-in reward {name!r} scores whole batches; remove batched: false")
     fn = load_reward_function(name)
-    try:
-        inspect.signature(fn).bind(None, **kwargs)
-    except TypeError as err:
-        raise ValueError(f"reward function {name!r} cannot take kwargs {kwargs}: {err}") from err
+    _check_signature(name, fn, kwargs, batched)
     scorer = Scorer(fn, kwargs, batched)
     file_spec = split_file_spec(name)
     if file_spec is None:
         return _Function(name, name, scorer, float(weight), remote=False)
     path, function_name = file_spec
     return _Function(function_name, f"{path}:{function_name}", scorer, float(weight), remote=isolate)
+
+
+def _check_signature(name: str, fn: Any, kwargs: dict[str, Any], batched: bool) -> None:
+    """Refuse a function that cannot be called with one sample (or list of them) and its kwargs, showing
+    the signature expected, since the mismatch would otherwise fail every call of the run."""
+    try:
+        inspect.signature(fn).bind(None, **kwargs)
+    except TypeError as err:
+        label = getattr(fn, "__name__", "reward")
+        argument = "samples: list[RewardInput]" if batched else "sample: RewardInput"
+        extra = "".join(f", {key}=..." for key in kwargs) or ", **kwargs"
+        given = f" with kwargs {kwargs}" if kwargs else ""
+        raise ValueError(
+            f"reward function {name!r} cannot be called{given} ({err}); expected "
+            f"`def {label}({argument}{extra}) -> float | dict[str, float]`"
+        ) from err

@@ -48,9 +48,11 @@ class RewardResult:
 
     `components` holds each function's unweighted "overall" under its name and any extra keys it returned
     as "name/key"; a failed call, or a key a call did not return, reads 0.0. `failures` counts failed calls
-    as "name/exception", "name/timeout" or "name/invalid".
+    as "name/exception", "name/timeout" or "name/invalid"; `errors` holds each failing function's first
+    failure in this batch as one line, so a caller can say why without the log.
     """
 
     overall: list[float]
     components: dict[str, list[float]] = field(default_factory=dict)
     failures: Counter[str] = field(default_factory=Counter)
+    errors: dict[str, str] = field(default_factory=dict)

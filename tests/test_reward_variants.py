@@ -117,7 +117,8 @@ def test_batched_functions_score_the_whole_batch_and_bad_returns_fail_per_kind(
     if isolation == "process":
         specs.append({"name": f"{path}:hangs", "batched": True})
     samples = _samples("ab", "nan", "text", "abcd", "nokey")
-    with RewardManager(specs, timeout_s=1.0, isolation=isolation, num_workers=2) as manager:
+    timeout_s = 1.0 if isolation == "process" else None  # inline, a sync call cannot be cut off
+    with RewardManager(specs, timeout_s=timeout_s, isolation=isolation, num_workers=2) as manager:
         result, elapsed = _timed(manager, samples)
 
     assert result.components["lengths"] == [1.0, 1.5, 2.0, 2.0, 2.5]  # 0.5 · len(response)
@@ -141,9 +142,9 @@ def test_batched_function_errors_say_what_was_expected(
 ) -> None:
     path = _write(tmp_path, "batched.py", BATCHED_REWARDS)
     with caplog.at_level(logging.WARNING, logger="mmrl.rewards"):
-        with RewardManager([{"name": f"{path}:one_short", "batched": True}]) as manager:
+        with RewardManager([{"name": f"{path}:one_short", "batched": True}], isolation="inline") as manager:
             manager.score(_samples("a", "b", "c"))
-        with RewardManager([{"name": f"{path}:scalar", "batched": True}]) as manager:
+        with RewardManager([{"name": f"{path}:scalar", "batched": True}], isolation="inline") as manager:
             manager.score(_samples("a"))
     messages = "\n".join(r.getMessage() for r in caplog.records)
     assert "returned 2 scores for 3 samples; expected a list of 3 scores" in messages
@@ -153,7 +154,7 @@ def test_batched_function_errors_say_what_was_expected(
 def test_batched_flag_comes_from_the_config_and_is_checked(tmp_path: Path) -> None:
     path = _write(tmp_path, "batched.py", BATCHED_REWARDS)
     spec = RewardFunctionConfig(name=f"{path}:lengths", batched=True, kwargs={"scale": 2.0}).model_dump()
-    with RewardManager([spec]) as manager:
+    with RewardManager([spec], isolation="inline") as manager:
         assert manager.score(_samples("abc", "a")).overall == [6.0, 2.0]
     with pytest.raises(ValueError, match="must be true or false, got 'yes'"):
         RewardManager([{"name": f"{path}:lengths", "batched": "yes"}])
@@ -207,13 +208,15 @@ def test_inline_async_batched_hang_times_out_every_sample_and_sync_coroutines_ar
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = _write(tmp_path, "judges.py", ASYNC_REWARDS)
-    specs = [{"name": f"{path}:batch_hangs", "batched": True}, {"name": f"{path}:forgot_async"}]
+    hangs = [{"name": f"{path}:batch_hangs", "batched": True}]
+    with RewardManager(hangs, timeout_s=0.3, isolation="inline") as manager:
+        assert manager.score(_samples("4", "5", "6")).failures == Counter({"batch_hangs/timeout": 3})
     with (
         caplog.at_level(logging.WARNING, logger="mmrl.rewards"),
-        RewardManager(specs, timeout_s=0.3) as manager,
+        RewardManager([{"name": f"{path}:forgot_async"}], isolation="inline") as manager,
     ):
         result = manager.score(_samples("4", "5", "6"))
-    assert result.failures == Counter({"batch_hangs/timeout": 3, "forgot_async/invalid": 3})
+    assert result.failures == Counter({"forgot_async/invalid": 3})
     assert any("declare the reward function with `async def`" in r.getMessage() for r in caplog.records)
 
 
