@@ -91,7 +91,7 @@ def test_generate_refuses_second_per_grid_ts_so_the_family_drops_it(model, proce
 @pytest.mark.parametrize(
     "names", [["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
 )
-def test_position_ids_equal_the_models_getrope_index(model, processor, names) -> None:
+def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
     family = family_of(model)
     batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
     ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)

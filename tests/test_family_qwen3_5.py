@@ -13,96 +13,38 @@ tolerance."""
 from __future__ import annotations
 
 import copy
-import gc
 import os
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from family_cases import (
+    media_at,
+    plain_logprobs,
+    rope_index,
+    update_on_samples,
+    vllm_diff,
+    vllm_engine_for,
+    vllm_only,
+    wide_clips,
+)
 from safetensors import safe_open
 from transformers import AutoProcessor
 
-from mmrl.actor import Actor, forward_logprobs
-from mmrl.algorithms import block_tokens
+from mmrl.actor import forward_logprobs
 from mmrl.batch import Batch
-from mmrl.config import ActorConfig, VLLMConfig
 from mmrl.data import PromptSample
 from mmrl.models import family_of, load_policy, load_processor
-from mmrl.optim import plan_minibatches
-from mmrl.rollout import HFEngine, SamplingParams, make_engine
+from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad, vision_inputs
-from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, checkpoint_names, vllm_available
-from processors import (
-    PixelBudget,
-    PositionRule,
-    VideoBudget,
-    build_messages,
-    encode_prompt,
-    fit_image,
-    num_image_tokens,
-    pixel_inputs,
-    read_video,
-    video_pixel_inputs,
-)
+from mmrl.rollout.hf import left_pad
+from mmrl.rollout.vllm import WeightSyncError, checkpoint_names
+from processors import PositionRule
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
-IMAGES = PixelBudget(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2)
-# 32 px frames: 2 x 2 patches, one merged token per temporal patch.
-VIDEOS = VideoBudget(
-    fps=2.0,
-    max_frames=12,
-    min_pixels=32 * 32,
-    max_pixels=32 * 32,
-    max_total_pixels=12 * 32 * 32,
-    patch_size=16,
-)
-WIDE = VideoBudget(
-    fps=2.0, max_frames=8, min_pixels=32 * 32, max_pixels=64 * 96, max_total_pixels=8 * 64 * 96, patch_size=16
-)
+# 32 px video frames: 2 x 2 patches, one merged token per temporal patch.
+MEDIA = media_at(32)
 # More words than the DeltaNet's 64-token chunk: the rows beside it are padded across a chunk boundary.
 LONG = "Look at the image and count every circle, square and triangle; " * 8
-
-# name: (text, image sizes, videos as (frames, source fps, frame size))
-PROMPTS = {
-    "image": ("<image>What colour is the shape?", [(128, 128)], []),
-    "images": ("<image> and <image>: which is red?", [(64, 160), (96, 96)], []),
-    "video": ("<video>Which way does it move?", [], [(8, 2.0, (32, 32))]),
-    "text": ("How many circles?", [], []),
-    "mixed": ("Look: <image> then <video> - what changed?", [(96, 64)], [(4, 1.0, (32, 32))]),
-}
-
-
-def _frames(count: int, size: tuple[int, int]) -> np.ndarray:
-    rng = np.random.default_rng(count)
-    return rng.integers(0, 255, (count, size[1], size[0], 3), dtype=np.uint8)
-
-
-def _prompt(
-    processor, family, index: int, name: str, budget: VideoBudget = VIDEOS, spec=None
-) -> PromptSample:
-    """One prompt as the data layer builds it: fitted images, sampled and sized clips, timestamped frames."""
-    text, image_sizes, clips = spec or PROMPTS[name]
-    colours = [(220, 20, 20), (20, 20, 220), (0, 160, 0)]
-    images = [fit_image(Image.new("RGB", s, colours[i % 3]), IMAGES) for i, s in enumerate(image_sizes)]
-    videos = [read_video(_frames(n, size), budget, fps=fps) for n, fps, size in clips]
-    ids = encode_prompt(
-        processor.tokenizer,
-        build_messages(text, len(images), num_videos=len(videos)),
-        [num_image_tokens(i.height, i.width, IMAGES) for i in images],
-        [family.video_placeholder(v, budget) for v in videos],
-    )
-    sample = PromptSample(index, ids, text, "red", images=images)
-    if images:
-        inputs = pixel_inputs(images, processor.image_processor)
-        sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
-    if videos:
-        v = video_pixel_inputs(videos, processor.video_processor)
-        sample.videos = videos
-        sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
-        sample.second_per_grid_ts = v["second_per_grid_ts"]
-    return sample
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -122,8 +64,7 @@ def processor(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(model, processor) -> list[PromptSample]:
-    family = family_of(model)
-    return [_prompt(processor, family, i, name) for i, name in enumerate(PROMPTS)]
+    return MEDIA.all_prompts(processor, family_of(model))
 
 
 # ------------------------------------------------------------------ the tiny builds
@@ -197,65 +138,30 @@ def test_fsdp_units_and_lora_prefixes_cover_both_layer_kinds_and_the_vision_towe
 
 
 # ------------------------------------------------------------------ positions
-def _rope_index(model, prompts: list[PromptSample], ids, mask) -> torch.Tensor:
-    cfg = model.config
-    mm_types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-    grids = vision_inputs(prompts)
-    theirs, _ = model.model.get_rope_index(
-        ids, mm_types, grids.get("image_grid_thw"), grids.get("video_grid_thw"), attention_mask=mask
-    )
-    return theirs
-
-
 @pytest.mark.parametrize(
     "names", [["image"], ["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
 )
 def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
     family = family_of(model)
-    batch = [_prompt(processor, family, i, name) for i, name in enumerate(names)]
+    batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
     ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), _rope_index(model, batch, ids, mask))
+    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
     assert torch.equal(
-        family.position_ids(batch, ids, mask, PositionRule("vllm")), _rope_index(model, batch, ids, mask)
+        family.position_ids(batch, ids, mask, PositionRule("vllm")), rope_index(model, batch, ids, mask)
     )
 
 
 def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_index(model, processor) -> None:
     family = family_of(model)
-    spec = (
-        "<video> vs <video> vs <video>",
-        [],
-        [(30, 3.0, (64, 64)), (5, 1.0, (32, 64)), (12, 7.5, (64, 32))],
-    )
-    batch = [_prompt(processor, family, 0, "", WIDE, spec), _prompt(processor, family, 1, "text")]
+    batch = [
+        MEDIA.prompt(processor, family, 0, wide_clips(32), MEDIA.wide),
+        MEDIA.prompt(processor, family, 1, "text"),
+    ]
     ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), _rope_index(model, batch, ids, mask))
+    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
 
 
 # ------------------------------------------------------------------ log-probs
-def _plain_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
-    """Each row alone through the model's own full forward (its own vision tower and `get_rope_index`,
-    no position ids given), over the distribution the engines sample from: vision placeholders blocked."""
-    cfg = model.config
-    out = torch.zeros(batch["response_ids"].shape)
-    for row, (p, response, mask) in enumerate(
-        zip(batch["prompt_index"], batch["response_ids"], batch["response_mask"], strict=True)
-    ):
-        prompt = batch.prompts[int(p)]
-        n = int(mask.sum())
-        ids = torch.tensor([prompt.prompt_ids + response[:n].tolist()])
-        vision = {k: v for k, v in vision_inputs([prompt]).items() if k != "second_per_grid_ts"}
-        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, **vision
-            ).logits[0]
-        start = len(prompt.prompt_ids) - 1
-        logits = block_tokens(logits[start : start + n].float(), family_of(model).never_generated_ids())
-        out[row, :n] = torch.log_softmax(logits / temperature, dim=-1).gather(1, response[:n, None])[:, 0]
-    return out
-
-
 # transformers 5.19 declares Qwen3.5's generation classes text-only (`input_modalities == "text"`), so
 # `generate` does not encode their media before expanding a batch for `num_return_sequences`: it
 # repeat-interleaves `pixel_values` patch by patch and the grids item by item, and with n > 1 every
@@ -297,9 +203,9 @@ def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, process
     with torch.no_grad():
         ours = forward_logprobs(model, hf_batch, processor.tokenizer.pad_token_id, 0.8)[0]
     engine = (ours - hf_batch["rollout_logprobs"]).abs() * mask
-    plain = (ours - _plain_logprobs(model, hf_batch, 0.8)).abs() * mask
-    for i, name in enumerate(PROMPTS):  # every case, reported by name
-        rows = hf_batch["prompt_index"] % len(PROMPTS) == i
+    plain = (ours - plain_logprobs(model, hf_batch, 0.8)).abs() * mask
+    for i, name in enumerate(MEDIA.cases):  # every case, reported by name
+        rows = hf_batch["prompt_index"] % len(MEDIA.cases) == i
         e, p = engine[rows][mask[rows]], plain[rows][mask[rows]]
         print(
             f"{family_of(model).name} {name}: engine max {e.max():.2e} mean {e.mean():.2e}; "
@@ -321,13 +227,8 @@ def test_a_left_padded_row_equals_the_row_alone(model, processor, monkeypatch) -
     with torch.no_grad():
         model.get_input_embeddings().weight[pad_id] = torch.randn(model.config.text_config.hidden_size)
     family = family_of(model)
-    spec = {
-        "long": (LONG, [], []),
-        "image": PROMPTS["image"],
-        "text": PROMPTS["text"],
-        "mixed": PROMPTS["mixed"],
-    }
-    prompts = [_prompt(processor, family, i, name, spec=s) for i, (name, s) in enumerate(spec.items())]
+    cases = [(LONG, [], []), "image", "text", "mixed"]
+    prompts = [MEDIA.prompt(processor, family, i, case) for i, case in enumerate(cases)]
     lengths = [len(p.prompt_ids) for p in prompts]
     assert max(lengths) - min(lengths) > 64
     torch.manual_seed(1)
@@ -379,20 +280,6 @@ NO_BF16 = (
 )
 
 
-def vllm_only(test):
-    """The vLLM tests' markers (as in test_vllm.py): slow, one xdist worker, skipped without vLLM."""
-    for mark in (
-        pytest.mark.slow,
-        pytest.mark.xdist_group("vllm"),
-        pytest.mark.skipif(
-            not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)"
-        ),
-        pytest.mark.skipif(AVX2_PINNED, reason=NO_BF16),
-    ):
-        test = mark(test)
-    return test
-
-
 VLLM_DTYPE = torch.bfloat16  # vLLM 0.32's CPU DeltaNet kernels refuse float32 (see the module docstring)
 # bfloat16 on both sides, through different kernels (vLLM's fused DeltaNet and attention against
 # transformers' reference ones under autocast). Measured on the tiny models: dense max 5.8e-3 (mean
@@ -402,18 +289,6 @@ BF16_TOLERANCE = 0.1
 BF16_MOE_TOLERANCE = 0.25
 
 
-def _request_with_family_prompt_ids(original):
-    """`VLLMEngine._request` sending the prompt ids the family says vLLM takes (`vllm_prompt_ids`:
-    one pad per image and per video, the video's timestamps left to vLLM's own expansion)."""
-
-    def request(self, prompt):
-        out = original(self, prompt)
-        out["prompt_token_ids"] = family_of(self.model).vllm_prompt_ids(prompt.prompt_ids)
-        return out
-
-    return request
-
-
 @pytest.fixture(scope="module")
 def vllm_prompts(model, processor) -> list[PromptSample]:
     """Text-only prompts: under the suite's AVX2 pin (conftest.py) vLLM's bfloat16 vision attention
@@ -421,42 +296,17 @@ def vllm_prompts(model, processor) -> list[PromptSample]:
     `torch_sdpa_wrapper`), so the vision tower is checked against transformers through the HF engine
     only; the hybrid language model, which is what Qwen3.5 adds, goes through vLLM."""
     family = family_of(model)
-    spec = {"text": PROMPTS["text"], "long": (LONG, [], []), "short": ("Answer:", [], [])}
-    return [_prompt(processor, family, i, name, spec=s) for i, (name, s) in enumerate(spec.items())]
+    cases = ["text", (LONG, [], []), ("Answer:", [], [])]
+    return [MEDIA.prompt(processor, family, i, case) for i, case in enumerate(cases)]
 
 
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir):
-    patch = pytest.MonkeyPatch()
-    if hasattr(family_of(load_policy(model_dir).config), "vllm_prompt_ids"):
-        patch.setattr(VLLMEngine, "_request", _request_with_family_prompt_ids(VLLMEngine._request))
-    policy = load_policy(model_dir).eval()
-    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
-    engine = make_engine(
-        "vllm",
-        policy,
-        load_processor(model_dir),
-        VLLM_DTYPE,
-        model_path=model_dir,
-        vllm=settings,
-        pixels=(IMAGES.min_pixels, IMAGES.max_pixels),
-    )
-    assert isinstance(engine, VLLMEngine)
-    yield engine
-    patch.undo()
-    del engine
-    gc.collect()
-
-
-def _vllm_diff(engine: VLLMEngine, batch: Batch, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        ours = forward_logprobs(
-            engine.model, batch, engine.tokenizer.pad_token_id, temperature, compute_dtype=VLLM_DTYPE
-        )[0]
-    return (ours - batch["rollout_logprobs"])[batch["response_mask"].bool()].abs()
+    yield from vllm_engine_for(model_dir, VLLM_DTYPE, MEDIA.images)
 
 
 @vllm_only
+@pytest.mark.skipif(AVX2_PINNED, reason=NO_BF16)
 def test_vllm_logprobs_match_the_trainer(vllm_engine, vllm_prompts) -> None:
     prompts = vllm_prompts
     torch.manual_seed(0)
@@ -464,7 +314,7 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, vllm_prompts) -> None:
         prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
     )
     assert batch[POSITION_RULE] == [PositionRule("vllm", VLLM_DTYPE)] * len(batch)
-    diff = _vllm_diff(vllm_engine, batch, 0.7)
+    diff = vllm_diff(vllm_engine, batch, 0.7, VLLM_DTYPE)
     print(f"{family_of(vllm_engine.model).name} vLLM bf16: max {diff.max():.2e} mean {diff.mean():.2e}")
     worst = BF16_MOE_TOLERANCE if family_of(vllm_engine.model).mixture_of_experts else BF16_TOLERANCE
     assert diff.max() < worst and diff.mean() < 1e-2, (
@@ -473,25 +323,13 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, vllm_prompts) -> None:
 
 
 @vllm_only
+@pytest.mark.skipif(AVX2_PINNED, reason=NO_BF16)
 def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, vllm_prompts) -> None:
     prompts = vllm_prompts
     vllm_engine.sync_weights()
-    torch.manual_seed(3)
-    batch = vllm_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8))
-    scores = (batch["response_ids"][:, 0] % 7).float()
-    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
-    actor = Actor(
-        vllm_engine.model,
-        ActorConfig(lr=0.05, mini_batch_size=len(prompts), micro_batch_size=10, use_kl_loss=False),
-        vllm_engine.tokenizer.pad_token_id,
-        temperature=1.0,
-        response_len=8,
-        total_updates=1,
-    )
     deltanet = vllm_engine.model.model.language_model.layers[0].linear_attn.in_proj_qkv.weight
     before = deltanet.detach().clone()
-    actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=8))
-    vllm_engine.model.eval()
+    update_on_samples(vllm_engine, prompts)
     assert not torch.equal(before, deltanet)
     with pytest.raises(WeightSyncError, match="did not arrive"):
         vllm_engine.verify()  # sync skipped: vLLM still has the old weights
@@ -507,7 +345,7 @@ def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_eng
     sampled = vllm_engine.generate(
         prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
     )
-    diff = _vllm_diff(vllm_engine, sampled, 1.0)
+    diff = vllm_diff(vllm_engine, sampled, 1.0, VLLM_DTYPE)
     print(
         f"{family_of(vllm_engine.model).name} vLLM bf16 after update: max {diff.max():.2e} mean {diff.mean():.2e}"
     )

@@ -7,104 +7,50 @@ takes a weight sync after an update; the MoE experts sit inside the FSDP units."
 
 from __future__ import annotations
 
-import gc
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from family_cases import (
+    frames,
+    media_at,
+    plain_logprobs,
+    rope_index,
+    update_on_samples,
+    vllm_diff,
+    vllm_engine_for,
+    vllm_only,
+    wide_clips,
+)
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoProcessor
 
-from mmrl.actor import Actor, forward_logprobs
-from mmrl.algorithms import block_tokens
+from mmrl.actor import forward_logprobs
 from mmrl.batch import Batch
-from mmrl.config import ActorConfig, VLLMConfig
+from mmrl.config import ActorConfig
 from mmrl.data import PromptSample
 from mmrl.models import Family, family_of, load_policy, load_processor
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
-from mmrl.optim import plan_minibatches
-from mmrl.rollout import HFEngine, SamplingParams, make_engine
+from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad, vision_inputs
-from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, checkpoint_names, vllm_available
+from mmrl.rollout.hf import left_pad
+from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
 from processors import (
     PixelBudget,
     PositionRule,
-    VideoBudget,
-    build_messages,
-    encode_prompt,
     fit_image,
     keep_frames_kwargs,
-    num_image_tokens,
     pixel_inputs,
     read_video,
-    video_pixel_inputs,
 )
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]
-IMAGES = PixelBudget(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2)
-# 32 px frames: 2 x 2 patches, one merged token per temporal patch.
-VIDEOS = VideoBudget(
-    fps=2.0,
-    max_frames=12,
-    min_pixels=32 * 32,
-    max_pixels=32 * 32,
-    max_total_pixels=12 * 32 * 32,
-    patch_size=16,
-)
-WIDE = VideoBudget(
-    fps=2.0,
-    max_frames=8,
-    min_pixels=32 * 32,
-    max_pixels=64 * 96,
-    max_total_pixels=8 * 64 * 96,
-    patch_size=16,
-)
-
-# name: (text, image sizes, videos as (frames, source fps, frame size))
-PROMPTS = {
-    "image": ("<image>What colour is the shape?", [(128, 128)], []),
-    "images": ("<image> and <image>: which is red?", [(64, 160), (96, 96)], []),
-    "video": ("<video>Which way does it move?", [], [(8, 2.0, (32, 32))]),
-    "text": ("How many circles?", [], []),
-    "mixed": ("Look: <image> then <video> - what changed?", [(96, 64)], [(4, 1.0, (32, 32))]),
-}
-
-
-def _frames(count: int, size: tuple[int, int]) -> np.ndarray:
-    rng = np.random.default_rng(count)
-    return rng.integers(0, 255, (count, size[1], size[0], 3), dtype=np.uint8)
-
-
-def _prompt(
-    processor, family, index: int, name: str, budget: VideoBudget = VIDEOS, spec=None
-) -> PromptSample:
-    """One prompt as the data layer builds it: fitted images, sampled and sized clips, timestamped frames."""
-    text, image_sizes, clips = spec or PROMPTS[name]
-    colours = [(220, 20, 20), (20, 20, 220), (0, 160, 0)]
-    images = [fit_image(Image.new("RGB", s, colours[i % 3]), IMAGES) for i, s in enumerate(image_sizes)]
-    videos = [read_video(_frames(n, size), budget, fps=fps) for n, fps, size in clips]
-    ids = encode_prompt(
-        processor.tokenizer,
-        build_messages(text, len(images), num_videos=len(videos)),
-        [num_image_tokens(i.height, i.width, IMAGES) for i in images],
-        [family.video_placeholder(v, budget) for v in videos],
-    )
-    sample = PromptSample(index, ids, text, "red", images=images)
-    if images:
-        inputs = pixel_inputs(images, processor.image_processor)
-        sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
-    if videos:
-        v = video_pixel_inputs(videos, processor.video_processor)
-        sample.videos = videos
-        sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
-        sample.second_per_grid_ts = v["second_per_grid_ts"]
-    return sample
+# 32 px video frames: 2 x 2 patches, one merged token per temporal patch.
+MEDIA = media_at(32)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -124,8 +70,7 @@ def processor(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(model, processor) -> list[PromptSample]:
-    family = family_of(model)
-    return [_prompt(processor, family, i, name) for i, name in enumerate(PROMPTS)]
+    return MEDIA.all_prompts(processor, family_of(model))
 
 
 # ------------------------------------------------------------------ the tiny builds
@@ -153,7 +98,7 @@ def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_load
     assert any(k.startswith("model.visual.deepstack_merger_list.") for k in saved)
 
 
-def test_the_saved_processor_sizes_images_as_fit_image_and_keeps_video_frames(model, model_dir) -> None:
+def test_the_saved_processor_sizes_images_as_fit_image_and_keeps_videoframes(model, model_dir) -> None:
     processor = AutoProcessor.from_pretrained(model_dir)
     assert type(processor).__name__ == "Qwen3VLProcessor"
     assert processor.image_processor.patch_size == 16 and processor.video_processor.patch_size == 16
@@ -165,7 +110,7 @@ def test_the_saved_processor_sizes_images_as_fit_image_and_keeps_video_frames(mo
         grid = processor.image_processor(images=[raw], return_tensors="pt")["image_grid_thw"][0].tolist()
         assert grid == [1, fitted.height // 16, fitted.width // 16], (w, h)
         assert pixel_inputs([fitted], processor.image_processor)["image_grid_thw"][0].tolist() == grid
-    video = read_video(_frames(6, (64, 96)), WIDE, fps=3.0)
+    video = read_video(frames(6, (64, 96)), MEDIA.wide, fps=3.0)
     out = processor.video_processor(
         videos=[video.frames],
         input_data_format="channels_last",
@@ -182,8 +127,8 @@ def test_the_saved_processor_sizes_images_as_fit_image_and_keeps_video_frames(mo
 def test_video_text_is_timestamped_per_temporal_patch_as_the_processor_writes_it(model, processor) -> None:
     """The family's video text equals what `Qwen3VLProcessor` itself expands `<|video_pad|>` to."""
     family = family_of(model)
-    video = read_video(_frames(8, (32, 32)), VIDEOS, fps=2.0)
-    ours = family.video_placeholder(video, VIDEOS)
+    video = read_video(frames(8, (32, 32)), MEDIA.videos, fps=2.0)
+    ours = family.video_placeholder(video, MEDIA.videos)
     metadata = {"fps": video.fps, "total_num_frames": len(video.frames), "frames_indices": list(range(8))}
     text = "<|vision_start|><|video_pad|><|vision_end|>"
     out = processor(
@@ -201,25 +146,15 @@ def test_video_text_is_timestamped_per_temporal_patch_as_the_processor_writes_it
 
 
 # ------------------------------------------------------------------ positions
-def _rope_index(model, prompts: list[PromptSample], ids, mask) -> torch.Tensor:
-    cfg = model.config
-    mm_types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-    grids = vision_inputs(prompts)
-    theirs, _ = model.model.get_rope_index(
-        ids, mm_types, grids.get("image_grid_thw"), grids.get("video_grid_thw"), attention_mask=mask
-    )
-    return theirs
-
-
 @pytest.mark.parametrize(
     "names", [["image"], ["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
 )
 def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
     """One prompt, and five in one left-padded batch (text-only rows padded furthest)."""
     family = family_of(model)
-    batch = [_prompt(processor, family, i, name) for i, name in enumerate(names)]
+    batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
     ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), _rope_index(model, batch, ids, mask))
+    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
     if len(batch) > 1:
         assert (mask == 0).any()
 
@@ -228,15 +163,13 @@ def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_ind
     """Three clips of different lengths, frame rates and sizes in one prompt, next to a text row: every
     temporal patch is its own t=1 grid after its timestamp, whatever the clip's seconds per patch."""
     family = family_of(model)
-    spec = (
-        "<video> vs <video> vs <video>",
-        [],
-        [(30, 3.0, (64, 64)), (5, 1.0, (32, 64)), (12, 7.5, (64, 32))],
-    )
-    batch = [_prompt(processor, family, 0, "", WIDE, spec), _prompt(processor, family, 1, "text")]
+    batch = [
+        MEDIA.prompt(processor, family, 0, wide_clips(32), MEDIA.wide),
+        MEDIA.prompt(processor, family, 1, "text"),
+    ]
     ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
     ours = family.position_ids(batch, ids, mask)
-    assert torch.equal(ours, _rope_index(model, batch, ids, mask))
+    assert torch.equal(ours, rope_index(model, batch, ids, mask))
     assert len({float(s) for s in batch[0].second_per_grid_ts}) == 3  # three real frame rates, ignored
     assert torch.equal(ours, family.position_ids(batch, ids, mask, PositionRule("vllm")))
     # Qwen2.5-VL's rule (one t x h x w grid per video) does not even fit: timestamps split its pad run.
@@ -276,7 +209,7 @@ def _vllm_positions(
 @pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)")
 @pytest.mark.parametrize("name", ["images", "video", "mixed"])
 def test_both_position_rules_are_vllms_own_layout(model, processor, name) -> None:
-    sample = _prompt(processor, family_of(model), 0, name)
+    sample = MEDIA.prompt(processor, family_of(model), 0, name)
     response = [processor.tokenizer.convert_tokens_to_ids("<answer>")] * 5
     ids = torch.tensor([sample.prompt_ids + response])
     grids = [("image", g) for g in (sample.image_grid_thw.tolist() if sample.images else [])]
@@ -288,30 +221,6 @@ def test_both_position_rules_are_vllms_own_layout(model, processor, name) -> Non
 
 
 # ------------------------------------------------------------------ log-probs
-def _plain_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
-    """Each row alone through the model's own full forward (its own vision tower and `get_rope_index`,
-    no position ids given), over the distribution the engines sample from: vision placeholders blocked."""
-    cfg = model.config
-    out = torch.zeros(batch["response_ids"].shape)
-    for row, (p, response, mask) in enumerate(
-        zip(batch["prompt_index"], batch["response_ids"], batch["response_mask"], strict=True)
-    ):
-        prompt = batch.prompts[int(p)]
-        n = int(mask.sum())
-        ids = torch.tensor([prompt.prompt_ids + response[:n].tolist()])
-        vision = {k: v for k, v in vision_inputs([prompt]).items() if k != "second_per_grid_ts"}
-        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, **vision
-            ).logits[0]
-        start = len(prompt.prompt_ids) - 1
-        logits = block_tokens(logits[start : start + n].float(), family_of(model).never_generated_ids())
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        out[row, :n] = logp.gather(1, response[:n, None])[:, 0]
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_batch(model, processor, prompts) -> Batch:
     """Image, two images, a video, text only and image + video in one left-padded HF engine batch."""
@@ -328,13 +237,13 @@ def _diffs(model, processor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, 
     with torch.no_grad():
         ours = forward_logprobs(model, batch, processor.tokenizer.pad_token_id, 0.8)[0]
     engine = (ours - batch["rollout_logprobs"]).abs() * mask
-    plain = (ours - _plain_logprobs(model, batch, 0.8)).abs() * mask
+    plain = (ours - plain_logprobs(model, batch, 0.8)).abs() * mask
     return engine, plain, mask
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:
     engine, plain, mask = _diffs(model, processor, hf_batch)
-    for name, i in zip(PROMPTS, range(len(PROMPTS)), strict=True):  # every case, reported by name
+    for name, i in zip(MEDIA.cases, range(len(MEDIA.cases)), strict=True):  # every case, reported by name
         rows = hf_batch["prompt_index"] == i
         e, p = engine[rows][mask[rows]], plain[rows][mask[rows]]
         print(
@@ -358,12 +267,12 @@ def test_dropping_deepstack_features_fails_the_parity_check(model, processor, hf
 
     monkeypatch.setattr(family_cls, "select_media", drop_deepstack)
     engine, plain, _ = _diffs(model, processor, hf_batch)
-    text_rows = hf_batch["prompt_index"] == list(PROMPTS).index("text")
+    text_rows = hf_batch["prompt_index"] == list(MEDIA.cases).index("text")
     print(f"{family_cls.name} without DeepStack: max {engine.max():.2e}")
     assert engine.max() > 1e-3 and plain.max() > 1e-3
-    for i in range(len(PROMPTS)):
+    for i in range(len(MEDIA.cases)):
         rows = hf_batch["prompt_index"] == i
-        assert (engine[rows].max() > 1e-3) == (not bool(text_rows[rows].all())), list(PROMPTS)[i]
+        assert (engine[rows].max() > 1e-3) == (not bool(text_rows[rows].all())), list(MEDIA.cases)[i]
 
 
 def test_moe_experts_are_inside_the_fsdp_units_and_the_router_loss_is_opt_in(model) -> None:
@@ -383,19 +292,6 @@ def test_moe_experts_are_inside_the_fsdp_units_and_the_router_loss_is_opt_in(mod
 
 
 # ------------------------------------------------------------------ vLLM
-def vllm_only(test):
-    """The vLLM tests' markers (as in test_vllm.py): slow, one xdist worker, skipped without vLLM."""
-    for mark in (
-        pytest.mark.slow,
-        pytest.mark.xdist_group("vllm"),
-        pytest.mark.skipif(
-            not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)"
-        ),
-    ):
-        test = mark(test)
-    return test
-
-
 @vllm_only
 def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prompts) -> None:
     """What the engine must send for Qwen3-VL, and why the default (pad runs cut to one) is not it."""
@@ -457,28 +353,8 @@ def test_the_released_expert_layout_loads_as_the_same_model(model, model_dir, tm
 def vllm_engine(model_dir, tmp_path_factory):
     _fresh_vllm_process_groups()  # test_vllm.py or the other family's engine may have run first
     model_dir = _released_layout(model_dir, tmp_path_factory.mktemp("released") / "model")
-    policy = load_policy(model_dir).eval()
-    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
-    engine = make_engine(
-        "vllm",
-        policy,
-        load_processor(model_dir),
-        torch.float32,
-        model_path=model_dir,
-        vllm=settings,
-        pixels=(IMAGES.min_pixels, IMAGES.max_pixels),
-    )
-    assert isinstance(engine, VLLMEngine)
-    yield engine
-    del engine
-    gc.collect()
+    yield from vllm_engine_for(model_dir, images=MEDIA.images)
     _fresh_vllm_process_groups()
-
-
-def _vllm_diff(engine: VLLMEngine, batch: Batch, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        ours = forward_logprobs(engine.model, batch, engine.tokenizer.pad_token_id, temperature)[0]
-    return (ours - batch["rollout_logprobs"])[batch["response_mask"].bool()].abs()
 
 
 @vllm_only
@@ -489,7 +365,7 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
         prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
     )
     assert batch[POSITION_RULE] == [PositionRule("vllm", torch.float32)] * len(batch)
-    diff = _vllm_diff(vllm_engine, batch, 0.7)
+    diff = vllm_diff(vllm_engine, batch, 0.7)
     print(f"{family_of(vllm_engine.model).name} vLLM: max {diff.max():.2e} mean {diff.mean():.2e}")
     assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
 
@@ -497,21 +373,8 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
 @vllm_only
 def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, prompts) -> None:
     vllm_engine.sync_weights()
-    torch.manual_seed(3)
-    batch = vllm_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8))
-    scores = (batch["response_ids"][:, 0] % 7).float()
-    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
-    actor = Actor(
-        vllm_engine.model,
-        ActorConfig(lr=0.05, mini_batch_size=len(prompts), micro_batch_size=10, use_kl_loss=False),
-        vllm_engine.tokenizer.pad_token_id,
-        temperature=1.0,
-        response_len=8,
-        total_updates=1,
-    )
     deepstack = vllm_engine.model.model.visual.deepstack_merger_list[0].linear_fc2.weight.detach().clone()
-    actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=8))
-    vllm_engine.model.eval()
+    update_on_samples(vllm_engine, prompts)
     assert not torch.equal(
         deepstack, vllm_engine.model.model.visual.deepstack_merger_list[0].linear_fc2.weight
     )
@@ -522,7 +385,7 @@ def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_eng
     sampled = vllm_engine.generate(
         prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
     )
-    diff = _vllm_diff(vllm_engine, sampled, 1.0)  # the updated vision tower (DeepStack too) reached vLLM
+    diff = vllm_diff(vllm_engine, sampled, 1.0)  # the updated vision tower (DeepStack too) reached vLLM
     print(
         f"{family_of(vllm_engine.model).name} vLLM after update: max {diff.max():.2e} mean {diff.mean():.2e}"
     )

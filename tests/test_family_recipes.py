@@ -5,30 +5,11 @@ of a GPU node). The recipes' engine, LoRA, pixel budgets, prompts, rewards and K
 from __future__ import annotations
 
 import pytest
+from family_cases import CPU_OVERRIDES
 
 from mmrl.cli import main
 from mmrl.logger import read_metrics
 from mmrl.synthetic_geometry import generate_geometry
-
-CPU_OVERRIDES = [
-    "trainer.device=cpu",
-    "model.dtype=float32",  # the suite pins ATen to AVX2 (conftest.py), where its bf16 matmuls refuse to run
-    "data.train_batch_size=2",
-    "data.val_batch_size=4",
-    "data.max_val_samples=4",
-    "actor.mini_batch_size=2",
-    "actor.micro_batch_size=4",
-    "rollout.n=2",
-    "rollout.max_new_tokens=16",
-    "trainer.n_gpus_per_node=1",  # one process: the GPU node's sharding is tested in test_distributed.py
-    "rollout.vllm.max_model_len=2560",
-    "rollout.vllm.gpu_memory_utilization=0.9",
-    "trainer.total_steps=2",
-    "trainer.val_every=2",
-    "trainer.save_every=0",
-    "trainer.progress=false",
-    "trainer.loggers=[jsonl]",
-]
 
 
 @pytest.mark.slow

@@ -5,42 +5,29 @@ vLLM engine samples at the trainer's log-probs and takes a weight sync after an 
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from family_cases import (
+    CPU_OVERRIDES,
+    plain_logprobs,
+    update_on_samples,
+    vllm_diff,
+    vllm_engine_for,
+    vllm_only,
+)
 
 from mmrl.actor import Actor, forward_logprobs
-from mmrl.batch import Batch
-from mmrl.config import ActorConfig, ConfigError, VLLMConfig, load_config
+from mmrl.config import ActorConfig, ConfigError, load_config
 from mmrl.data import PromptSample
 from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
 from mmrl.optim import plan_minibatches
-from mmrl.rollout import HFEngine, SamplingParams, make_engine
-from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
+from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.rollout.vllm import WeightSyncError
 from processors import build_messages, encode_prompt
 
-CPU_OVERRIDES = [  # as in test_family_recipes.py
-    "trainer.device=cpu",
-    "model.dtype=float32",
-    "data.train_batch_size=2",
-    "data.val_batch_size=4",
-    "data.max_val_samples=4",
-    "actor.mini_batch_size=2",
-    "actor.micro_batch_size=4",
-    "rollout.n=2",
-    "rollout.max_new_tokens=16",
-    "trainer.n_gpus_per_node=1",
-    "rollout.vllm.max_model_len=1024",
-    "rollout.vllm.gpu_memory_utilization=0.9",
-    "trainer.total_steps=2",
-    "trainer.val_every=2",
-    "trainer.save_every=0",
-    "trainer.progress=false",
-    "trainer.loggers=[jsonl]",
-]
 QUESTIONS = [
     "What is 3 + 4?",
     "Find x: the side of a square is 5 cm, what is the area in cm?",
@@ -68,22 +55,6 @@ def _prompts(tokenizer, questions=QUESTIONS) -> list[PromptSample]:
         PromptSample(i, encode_prompt(tokenizer, build_messages(q, 0), []), q, "7")
         for i, q in enumerate(questions)
     ]
-
-
-def _plain_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
-    """Each row alone, unpadded, through the model's own forward: prompt + response in one pass."""
-    out = torch.zeros(batch["response_ids"].shape)
-    for row, (p, response, mask) in enumerate(
-        zip(batch["prompt_index"], batch["response_ids"], batch["response_mask"], strict=True)
-    ):
-        prompt = batch.prompts[int(p)].prompt_ids
-        n = int(mask.sum())
-        ids = torch.tensor([prompt + response[:n].tolist()])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n]
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        out[row, :n] = logp.gather(1, response[:n, None])[:, 0]
-    return out
 
 
 def test_the_tiny_text_model_is_a_causal_lm_with_a_tokenizer_for_processor(model, tokenizer) -> None:
@@ -124,7 +95,7 @@ def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, tokeniz
     with torch.no_grad():
         ours = forward_logprobs(model, batch, tokenizer.pad_token_id, 0.8)[0]
     engine = (ours - batch["rollout_logprobs"])[mask].abs()
-    plain = (ours - _plain_logprobs(model, batch, 0.8))[mask].abs()
+    plain = (ours - plain_logprobs(model, batch, 0.8))[mask].abs()
     assert engine.max() < 1e-4, f"trainer vs HF engine: max |Δlogp| = {engine.max():.2e}"
     assert plain.max() < 1e-4, f"trainer vs plain forward: max |Δlogp| = {plain.max():.2e}"
 
@@ -181,36 +152,9 @@ def test_an_actor_update_trains_the_text_model(tmp_path, text_dir, tokenizer) ->
 
 
 # ------------------------------------------------------------------ vLLM
-def vllm_only(test):
-    """The vLLM tests' markers (as in test_vllm.py): slow, one xdist worker, skipped without vLLM."""
-    for mark in (
-        pytest.mark.slow,
-        pytest.mark.xdist_group("vllm"),
-        pytest.mark.skipif(
-            not vllm_available(), reason="vLLM is not installed (install requirements-test.lock)"
-        ),
-    ):
-        test = mark(test)
-    return test
-
-
 @pytest.fixture(scope="module")
 def vllm_engine(text_dir):
-    policy = load_policy(text_dir).eval()
-    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
-    engine = make_engine(
-        "vllm", policy, load_processor(text_dir), torch.float32, model_path=text_dir, vllm=settings
-    )
-    assert isinstance(engine, VLLMEngine)
-    yield engine
-    del engine
-    gc.collect()
-
-
-def _vllm_diff(engine: VLLMEngine, batch: Batch, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        ours = forward_logprobs(engine.model, batch, engine.tokenizer.pad_token_id, temperature)[0]
-    return (ours - batch["rollout_logprobs"])[batch["response_mask"].bool()].abs()
+    yield from vllm_engine_for(text_dir)
 
 
 def _greedy(engine, prompts) -> torch.Tensor:
@@ -226,9 +170,9 @@ def test_vllm_logprobs_match_the_trainer_and_greedy_matches_hf(vllm_engine, toke
         prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=12, logprobs=True)
     )
     assert batch["response_mask"].sum() > 9
-    diff = _vllm_diff(vllm_engine, batch, 0.7)
+    diff = vllm_diff(vllm_engine, batch, 0.7)
     assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
-    assert _vllm_diff(vllm_engine, batch, 1.0).max() > 1e-3  # the wrong temperature disagrees
+    assert vllm_diff(vllm_engine, batch, 1.0).max() > 1e-3  # the wrong temperature disagrees
     assert torch.equal(
         _greedy(vllm_engine, prompts), _greedy(HFEngine(vllm_engine.model, tokenizer), prompts)
     )
@@ -238,20 +182,7 @@ def test_vllm_logprobs_match_the_trainer_and_greedy_matches_hf(vllm_engine, toke
 def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, tokenizer) -> None:
     prompts = _prompts(tokenizer)
     vllm_engine.sync_weights()
-    torch.manual_seed(3)
-    batch = vllm_engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=8))
-    scores = (batch["response_ids"][:, 0] % 7).float()
-    batch.set(advantages=(scores - scores.mean())[:, None].expand_as(batch["response_mask"]).clone())
-    actor = Actor(
-        vllm_engine.model,
-        ActorConfig(lr=0.05, mini_batch_size=len(prompts), micro_batch_size=12, use_kl_loss=False),
-        tokenizer.pad_token_id,
-        temperature=1.0,
-        response_len=8,
-        total_updates=1,
-    )
-    actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=8))
-    vllm_engine.model.eval()
+    update_on_samples(vllm_engine, prompts, n=4)
     with pytest.raises(WeightSyncError, match="did not arrive"):
         vllm_engine.verify()  # sync skipped: vLLM still has the old weights
     vllm_engine.sync_weights()
@@ -259,7 +190,7 @@ def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_eng
     sampled = vllm_engine.generate(
         prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
     )
-    diff = _vllm_diff(vllm_engine, sampled, 1.0)
+    diff = vllm_diff(vllm_engine, sampled, 1.0)
     assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
 
 
