@@ -355,6 +355,22 @@ def _from_messages(messages: list[Any]) -> tuple[str, str | None]:
     return user[0], "\n\n".join(system) or None
 
 
+def with_pixels(
+    sample: PromptSample, videos: list[Video], image_processor: Any, video_processor: Any
+) -> PromptSample:
+    """`sample` with the model's inputs for its fitted images and for `videos` (sampled and sized): pixel
+    patches, grids and, for videos, seconds per temporal patch."""
+    if sample.images:
+        inputs = pixel_inputs(sample.images, image_processor)
+        sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
+    if videos:
+        v = video_pixel_inputs(videos, video_processor)
+        sample.videos = videos
+        sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
+        sample.second_per_grid_ts = v["second_per_grid_ts"]
+    return sample
+
+
 class PromptDataset:
     """Rows plus everything needed to turn one into a `PromptSample`.
 
@@ -564,15 +580,7 @@ class PromptDataset:
             ],
             extra=self._extra(row),
         )
-        if fitted:
-            inputs = pixel_inputs(fitted, self.image_processor)
-            sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
-        if videos:
-            v = video_pixel_inputs(videos, self.video_processor)
-            sample.videos = videos
-            sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
-            sample.second_per_grid_ts = v["second_per_grid_ts"]
-        return sample
+        return with_pixels(sample, videos or [], self.image_processor, self.video_processor)
 
     def _note_huge(self, index: int, images: list[Image.Image]) -> None:
         """Count images past PIL's decompression-bomb size, logging the first: they are used, but

@@ -18,7 +18,7 @@ from mmrl.actor import Actor, forward_logprobs
 from mmrl.algorithms import block_tokens
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig, VLLMConfig
-from mmrl.data import PromptSample
+from mmrl.data import PromptSample, with_pixels
 from mmrl.models import Family, family_of, load_policy, load_processor
 from mmrl.optim import plan_minibatches
 from mmrl.rollout import SamplingParams, make_engine
@@ -31,9 +31,7 @@ from processors import (
     encode_prompt,
     fit_image,
     num_image_tokens,
-    pixel_inputs,
     read_video,
-    video_pixel_inputs,
 )
 
 # What a recipe needs to run on a CPU: paths aside, only batch sizes, lengths and one process.
@@ -91,15 +89,7 @@ class Media:
             [family.video_placeholder(v, budget) for v in videos],
         )
         sample = PromptSample(index, ids, text, "red", images=images)
-        if images:
-            inputs = pixel_inputs(images, processor.image_processor)
-            sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
-        if videos:
-            v = video_pixel_inputs(videos, processor.video_processor)
-            sample.videos = videos
-            sample.pixel_values_videos, sample.video_grid_thw = v["pixel_values_videos"], v["video_grid_thw"]
-            sample.second_per_grid_ts = v["second_per_grid_ts"]
-        return sample
+        return with_pixels(sample, videos, processor.image_processor, processor.video_processor)
 
     def all_prompts(self, processor, family: Family) -> list[PromptSample]:
         """Every case once, in order: image, two images, video, text only, image + video."""
