@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
-from faultkit import CONFIG
+from faultkit import CONFIG, overrides
 from PIL import Image
 
 from mmrl.cli import main
@@ -127,3 +128,58 @@ def test_broken_rewards_are_counted_per_kind_and_score_zero(tmp_path, tiny_model
     failures = {k for r in records for k in r if k.startswith("reward/failures/")}
     assert failures == {f"reward/failures/{name}/{kind}" for name, (_, kind) in BROKEN.items()}
     assert not [p for p in multiprocessing.active_children() if p.name == "mmrl-reward-worker"]
+
+
+WHERE_AND_BROKEN = """
+    import os
+
+    TRAINER_PID = {pid}
+
+    def where(sample):
+        return {{"overall": 1.0, "in_a_worker": float(os.getpid() != TRAINER_PID)}}
+
+    def broken(sample):
+        raise KeyError("bbox")
+"""
+
+
+def _reward_file(tmp_path: Path) -> Path:
+    path = tmp_path / "where.py"
+    path.write_text(textwrap.dedent(WHERE_AND_BROKEN.format(pid=os.getpid())))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_user_reward_code_runs_in_a_worker_process_by_default(tmp_path, tiny_model_dir, colour_task) -> None:
+    """With no isolation key, a hang, `os._exit` or segfault in a user reward costs a score, not the run."""
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, colour_task["train"], run, colour_task["reward"], steps=1)
+    reward = f"reward.functions=[{{name: '{_reward_file(tmp_path)}:where'}}, {{name: format_answer}}]"
+    assert main(["train", CONFIG, *args, reward]) == 0
+    (record,) = read_metrics(run / "metrics.jsonl")
+    assert record["reward/where/in_a_worker"] == 1.0
+    assert not [p for p in multiprocessing.active_children() if p.name == "mmrl-reward-worker"]
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_failing_on_every_sample_stops_the_run_naming_it_and_its_error(
+    tmp_path, tiny_model_dir, colour_task, capsys
+) -> None:
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, colour_task["train"], run, colour_task["reward"], steps=6)
+    broken = f"{{name: '{_reward_file(tmp_path)}:broken'}}"
+    code = main(
+        [
+            "train",
+            CONFIG,
+            *args,
+            f"reward.functions=[{{name: '{colour_task['reward']}:scramble'}}, {broken}]",
+            "reward.isolation=inline",  # trusted test code; spares starting workers
+            "reward.max_all_failed_steps=2",
+        ]
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1, err
+    assert "'broken' failed on every sample for 2 steps in a row (steps 1-2)" in err
+    assert "KeyError: 'bbox'" in err and "reward.max_all_failed_steps" in err and "--resume" in err
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1], "step 2 is not trained on"
