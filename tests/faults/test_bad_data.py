@@ -168,6 +168,7 @@ def test_every_bad_row_is_skipped_and_counted_and_every_awkward_row_is_used_corr
                 f"trainer.total_steps={len(good) // 4}",
                 f"trainer.output_dir={run}",
                 f"reward.functions=[{{name: {recorder}:record}}]",
+                "reward.isolation=inline",  # the recorder logs rows in the order they reach it
                 "rollout.n=2",
                 "actor.mini_batch_size=4",
                 "warmup.steps=0",
