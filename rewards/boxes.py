@@ -18,7 +18,6 @@ from numbers import Real
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from rewards.types import ImageSize
 
@@ -264,5 +263,7 @@ def match_ious(pred: list[Box], truth: list[Box], match_labels: bool = False) ->
     table = np.array(
         [[iou(p, t) if not match_labels or _same_label(p, t) else 0.0 for t in truth] for p in pred]
     )
+    from scipy.optimize import linear_sum_assignment  # scipy takes ~1 s to import: only when boxes are graded
+
     rows, cols = linear_sum_assignment(table, maximize=True)
     return table[rows, cols].tolist()

@@ -49,11 +49,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from numbers import Real
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import sympy
-
-from rewards.graders import extract_answer, register_grader
+from rewards.graders import extract_answer, lazy_import, register_grader
 from rewards.types import RewardInput
+
+if TYPE_CHECKING:
+    import sympy
+else:
+    # sympy takes a second or more to import: loaded on the first answer that needs it, not by every
+    # process that imports `rewards` (each reward worker, the CLI).
+    sympy = lazy_import("sympy")
 
 MAX_ANSWER_CHARS = 256
 MAX_EXPONENT = 100
@@ -167,6 +173,7 @@ def geometry(sample: RewardInput, rel_tol: float = 1e-4, timeout_s: float = 1.0)
     if isinstance(truth, bool) or not isinstance(truth, (str, Real)):
         return 0.0
     choices = _choices(sample.extra.get("choices"))
+    sympy.Expr  # noqa: B018  (loads the lazily imported sympy here, not inside the answer's time limit)
     try:
         with _deadline(timeout_s):
             return float(_grade(answer, str(truth), choices, rel_tol))

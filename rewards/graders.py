@@ -6,8 +6,11 @@ when user functions are isolated in worker processes.
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import TypeVar
 
 from rewards.types import RewardFn, RewardInput
@@ -151,3 +154,18 @@ def format_think_boxed(sample: RewardInput) -> float:
     if not text.startswith("<think>") or text.count("<think>") != 1 or text.count("</think>") != 1:
         return 0.0
     return float(bool(_boxes(text[text.index("</think>") :])))
+
+
+def lazy_import(name: str) -> ModuleType:
+    """Module `name`, imported on its first attribute access (`importlib.util.LazyLoader`): a grader's
+    heavy dependency then costs nothing to processes that never grade with it."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{name} is not installed; install mmrl's requirements")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
