@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.models import save_model
+
 log = logging.getLogger("mmrl.checkpoint")
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp_step_"  # + step + writer pid: a checkpoint being written, or torn by a crash
@@ -57,8 +59,7 @@ def hf_writer(model: Any, processor: Any) -> Callable[[Path], None]:
     """A checkpoint's `model/` folder as transformers writes it (under LoRA: the adapter, in peft's format)."""
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder / "model")
-        processor.save_pretrained(folder / "model")
+        save_model(model, processor, folder / "model")
 
     return write
 

@@ -136,7 +136,7 @@ def gather_shards(folder: Path) -> nn.Module:
 def export_plain(folder: Path, out: Path) -> Path:
     """A checkpoint as a plain transformers model folder: a LoRA adapter is merged into its base, so
     the result loads with `from_pretrained` (and in vLLM) with no peft involved."""
-    from mmrl.models import load_policy, load_processor
+    from mmrl.models import load_policy, load_processor, save_model
 
     if out.is_file():
         raise FileExistsError(f"{out} is a file; give a new or empty folder to export into")
@@ -153,6 +153,5 @@ def export_plain(folder: Path, out: Path) -> Path:
         processor_from = base  # an adapter folder may hold the adapter alone
     else:
         model = load_policy(folder)
-    model.save_pretrained(out)
-    load_processor(processor_from).save_pretrained(out)
+    save_model(model, load_processor(processor_from), out)
     return out

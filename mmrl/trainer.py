@@ -44,7 +44,7 @@ from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerErr
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
-from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
+from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
 from mmrl.optim import apply_settings
 from mmrl.progress import TrainingProgress
 from mmrl.resume import check_resume, record_config
@@ -564,10 +564,8 @@ class Trainer:
         losses = format_warmup(
             model, tokenizer_of(self.processor), samples, self.cfg.warmup, self.cfg.trainer.seed
         )
-        model.save_pretrained(self.run_dir / "warmup_model")  # the RL starting point, and the KL reference
-        self.processor.save_pretrained(
-            self.run_dir / "warmup_model"
-        )  # a complete model folder for the workers
+        # The RL starting point and the KL reference: a complete model folder, for the workers too.
+        save_model(model, self.processor, self.run_dir / "warmup_model")
         self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if self.critic is not None and not self.cfg.critic.model_path:
             self.critic = self._make_critic(self.run_dir / "warmup_model")  # the critic starts where RL does

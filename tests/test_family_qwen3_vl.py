@@ -7,8 +7,6 @@ takes a weight sync after an update; the MoE experts sit inside the FSDP units."
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,14 +24,13 @@ from family_cases import (
 )
 from PIL import Image
 from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoProcessor
 
 from mmrl.actor import forward_logprobs
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig
 from mmrl.data import PromptSample
-from mmrl.models import Family, family_of, load_policy, load_processor
+from mmrl.models import Family, family_of, load_policy, load_processor, save_model
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.base import POSITION_RULE
@@ -320,39 +317,31 @@ def _fresh_vllm_process_groups() -> None:
         cleanup_dist_env_and_memory()
 
 
-def _released_layout(model_dir: Path, out: Path) -> Path:
-    """A copy of a tiny checkpoint with every tensor as the family's released checkpoints lay it out
-    (`checkpoint_tensor`): Qwen3-VL-MoE's fused experts as (experts, in, out), which vLLM's loader takes."""
-    shutil.copytree(model_dir, out)
-    family = family_of(AutoConfig.from_pretrained(model_dir))
-    with safe_open(model_dir / "model.safetensors", "pt") as f:
-        names = f.keys()
-        tensors = {k: family.checkpoint_tensor(k, f.get_tensor(k)).contiguous() for k in names}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
-def test_the_released_expert_layout_loads_as_the_same_model(model, model_dir, tmp_path) -> None:
-    """transformers 5.19 saves fused experts as it holds them, (experts, out, in); Qwen's releases and
-    vLLM 0.32 have (experts, in, out). Both load in transformers as the same model."""
+def test_mmrl_saves_experts_in_the_released_layout_which_transformers_reads_back(model, model_dir, tmp_path):
+    """transformers 5.19 holds fused experts as (experts, out, in) and `save_pretrained` writes them so;
+    Qwen's releases, and vLLM 0.32's loader, have (experts, in, out). Every folder mmrl writes
+    (`save_model`: the tiny build here, checkpoints, exports) has the released layout, and transformers
+    loads it back as the same model."""
     family = family_of(model)
-    released = _released_layout(model_dir, tmp_path / "released")
-    with safe_open(released / "model.safetensors", "pt") as f:
-        names = f.keys()
-        shapes = {k: f.get_slice(k).get_shape() for k in names}
+    resaved = save_model(load_policy(model_dir), load_processor(model_dir), tmp_path / "resaved")
     state = model.state_dict()
-    experts = [k for k in shapes if ".mlp.experts." in k]
-    assert bool(experts) == family.mixture_of_experts
-    for k in experts:
-        assert shapes[k] == [state[k].shape[0], state[k].shape[2], state[k].shape[1]] != list(state[k].shape)
-    reloaded = load_policy(released).state_dict()
-    assert all(torch.equal(v, reloaded[k]) for k, v in state.items())
+    for folder in (model_dir, resaved):
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+        experts = [k for k in shapes if ".mlp.experts." in k]
+        assert bool(experts) == family.mixture_of_experts == family.relaid_out
+        for k in experts:
+            assert (
+                shapes[k] == [state[k].shape[0], state[k].shape[2], state[k].shape[1]] != list(state[k].shape)
+            )
+        reloaded = load_policy(folder).state_dict()
+        assert all(torch.equal(v, reloaded[k]) for k, v in state.items())
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(model_dir, tmp_path_factory):
+def vllm_engine(model_dir):
+    """The engine loads the tiny build as mmrl saved it (released expert layout)."""
     _fresh_vllm_process_groups()  # test_vllm.py or the other family's engine may have run first
-    model_dir = _released_layout(model_dir, tmp_path_factory.mktemp("released") / "model")
     yield from vllm_engine_for(model_dir, images=MEDIA.images)
     _fresh_vllm_process_groups()
 

@@ -22,6 +22,7 @@ from mmrl.models.loading import (
     model_folder,
     never_generated_ids,
     resolve_dtype,
+    save_model,
     tokenizer_of,
 )
 from mmrl.models.tiny import CHAT_TEMPLATE, DEFAULT_FAMILY, build_tiny, build_tokenizer
@@ -45,5 +46,6 @@ __all__ = [
     "never_generated_ids",
     "register",
     "resolve_dtype",
+    "save_model",
     "tokenizer_of",
 ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -91,6 +90,9 @@ class Family:
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
     saved_prefixes: ClassVar[dict[str, str]] = {}
+    # `checkpoint_tensor` lays some tensor out otherwise than transformers saves it: model folders
+    # mmrl writes are rewritten in the released layout (`save_model`), which vLLM needs.
+    relaid_out: ClassVar[bool] = False
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -254,7 +256,7 @@ class Family:
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor (under its saved name) as the family's released checkpoints, and so vLLM's loader,
-        lay it out: the in-memory layout unless a family says otherwise."""
+        lay it out: the in-memory layout unless a family says otherwise (and sets `relaid_out`)."""
         return tensor
 
     def saved_name(self, name: str) -> str:
@@ -274,14 +276,3 @@ class Family:
     def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
         """The processor a real checkpoint of this family ships (image and video processors, tokenizer)."""
         raise NotImplementedError
-
-
-def write_tiny(family: type[Family], out: Path, tokenizer: Any, processor: Any, seed: int) -> nn.Module:
-    """Random-init weights of `family`'s tiny config, saved with `processor` in `out`."""
-    torch.manual_seed(seed)
-    model = family.new_model(family.tiny_config(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    return model

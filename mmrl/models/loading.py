@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedModel
 
 from mmrl.models.family import family_of
@@ -110,3 +112,23 @@ def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+def save_model(model: Any, processor: Any, out: str | Path) -> Path:
+    """`model` and its processor (or tokenizer) as a folder that transformers and vLLM both load.
+
+    transformers writes weights as it holds them. Where a family's released checkpoints lay a tensor out
+    otherwise (Qwen3-VL-MoE's fused experts), vLLM's loader reads only the released layout and
+    transformers reads both, so the weight files are rewritten in the released layout. A LoRA adapter
+    (peft) is written as peft writes it."""
+    out = Path(out)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    family = family_of(model)
+    if family.relaid_out and not hasattr(model, "peft_config"):
+        for path in sorted(out.glob("*.safetensors")):
+            with safe_open(path, "pt") as f:
+                metadata = f.metadata()
+                tensors = {k: family.checkpoint_tensor(k, f.get_tensor(k)).contiguous() for k in f.keys()}  # noqa: SIM118
+            save_file(tensors, path, metadata=metadata)
+    return out

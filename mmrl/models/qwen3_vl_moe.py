@@ -8,8 +8,9 @@ The router's load-balancing loss is off unless `actor.router_aux_loss_coef` > 0 
 Expert weight layout: transformers 5.19 holds the fused experts as (experts, out, in) and
 `save_pretrained` writes them so, while Qwen's released checkpoints, and so vLLM 0.32's loader
 (`is_fused_checkpoint_transposed=True`), have them as (experts, in, out); transformers transposes
-them on load by shape. vLLM therefore rejects a checkpoint transformers wrote, and the same transpose
-is due on every weight sync: `checkpoint_tensor` gives a tensor as the released layout has it.
+them on load by shape. vLLM rejects a checkpoint as transformers writes it, so the same transpose is
+due on every weight sync, and every folder mmrl writes (tiny builds, warm-up, checkpoints, exports) is
+rewritten in the released layout (`save_model`): `checkpoint_tensor` gives a tensor as that layout has it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Qwen3_VL_MoE(Qwen3_VL):
     model_types = ("qwen3_vl_moe",)
     model_class = "Qwen3VLMoeForConditionalGeneration"
     mixture_of_experts = True
+    relaid_out = True
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A saved-name tensor as Qwen's released checkpoints (and vLLM's loader) lay it out: the fused

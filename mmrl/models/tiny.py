@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from transformers import Qwen2TokenizerFast
 
 DEFAULT_FAMILY = "qwen2_5_vl"  # the quickstart's; see the README's supported-models table
@@ -105,7 +106,8 @@ def build_tiny(
 
     Pixel budgets default to 1 to 16 x 16 merged patches of the family's grid (28 px for Qwen2.5-VL,
     32 px for Qwen3-VL), the range the synthetic tasks draw from."""
-    from mmrl.models.family import FAMILIES, write_tiny
+    from mmrl.models.family import FAMILIES
+    from mmrl.models.loading import save_model
 
     families = {f.name: f for f in FAMILIES.values()}
     if family not in families:
@@ -122,7 +124,11 @@ def build_tiny(
         processor = cls.tiny_processor(
             tokenizer, min_pixels or factor**2, max_pixels or (16 * factor) ** 2, CHAT_TEMPLATE
         )
-    write_tiny(cls, out, tokenizer, processor, seed)
+    torch.manual_seed(seed)
+    model = cls.new_model(cls.tiny_config(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    save_model(model, processor, out)
     (out / "mmrl_tiny.json").write_text(
         json.dumps({"seed": seed, "family": family, "built_by": "mmrl model init-tiny"})
     )

@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from envs.actions import ActionStats, ActionTokenizer
 from mmrl.config import Config
 from mmrl.data import image_budget
-from mmrl.models import load_policy, load_processor
+from mmrl.models import load_policy, load_processor, save_model
 from mmrl.supervised import supervised_step
 from mmrl.vla.observations import ObservationPrompts
 
@@ -129,8 +129,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             progress=progress,
         )
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
+    save_model(model, processor, out)
     save_action_tokenizer(tokenizer, out)
     report = {
         "demos": len(demos),
