@@ -85,9 +85,12 @@ def _send(conn: Connection, message: object) -> None:
 def _serve(conn: Connection, functions: list[RemoteFunction], timeout_s: float) -> None:
     """Worker process: load the functions, report ready, then score chunks until told to stop.
 
-    SIGINT is ignored so that Ctrl-C in the trainer is handled by the trainer, not by each worker.
+    SIGINT and SIGTERM are ignored: Ctrl-C, or a scheduler's SIGTERM to every process of the job, is the
+    trainer's to handle (it finishes the step, scored by these workers, and saves), and the pool stops
+    its workers itself (a message, then SIGKILL).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         scorers = [Scorer(load_reward_function(f.spec), f.kwargs, f.batched) for f in functions]
     except Exception:

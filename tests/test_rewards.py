@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
 import textwrap
 import time
 from collections import Counter
@@ -428,6 +429,27 @@ def test_process_mode_survives_unpicklable_samples_and_workers_that_cannot_start
     assert result.overall == [1.0] * 3
     assert result.failures == Counter({"reward/exception": 3})
     assert _reward_workers() == []
+
+
+@pytest.mark.timeout(60)
+def test_workers_outlive_a_sigterm_sent_to_the_whole_job(tmp_path: Path) -> None:
+    """A scheduler's pre-emption signals every process of the job; the trainer finishes its step before
+    it stops, so its reward workers must still be there to score it."""
+    path = _write(tmp_path, "flaky.py", FLAKY_REWARDS)
+    with RewardManager([{"name": f"{path}:flaky"}], isolation="process", num_workers=2) as manager:
+        batch = [_sample("x", mode="ok", value=1.0)] * 8
+        scored: set[int] = set()
+        while len(scored) < 2:  # both workers started (a worker still starting up takes signals as is)
+            scored |= {int(p) for p in manager.score(batch).components["flaky/pid"]}
+        workers = _reward_workers()
+        assert {w.pid for w in workers} == scored
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers), [w.exitcode for w in workers]
+        again = manager.score(batch)
+        assert again.failures == Counter() and again.overall == [1.0] * 8
+        assert {int(p) for p in again.components["flaky/pid"]} <= {w.pid for w in workers}
 
 
 @pytest.mark.timeout(60)
