@@ -104,13 +104,14 @@ RUNS: dict[str, LearningRun] = {
         "examples/custom_reward/config.yaml", hidden_colour_task, steps=100, min_gain=0.2
     ),
     # The GRPO quickstart from a tiny Qwen3-VL, at 128 px: on its 32-pixel grid that is Qwen2.5-VL's 16
-    # visual tokens (the 112 px images would be 9). Gains 0.66, 0.67, 0.83, 0.84 (seeds 1-4; 0.83 to
-    # 1.00 after); its test also asks for 0.8 held-out accuracy.
+    # visual tokens (the 112 px images would be 9). Accuracy 1.00 after 200 steps at seeds 1, 2 (AVX2)
+    # and 1, 4 (AVX-512): gains 0.83-0.84. As a 100-step run (its cosine schedule over 100 steps) it
+    # ends at 0.63-1.00 over seeds 1-4 and both numerics, short of 0.8 in two runs of eight.
     "qwen3_vl": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
-        steps=100,
-        min_gain=0.3,
+        steps=200,
+        min_gain=0.6,
         overrides=("data.min_pixels=16384", "data.max_pixels=16384"),
         family="qwen3_vl",
     ),
