@@ -95,28 +95,22 @@ def test_the_tiny_build_is_the_real_hybrid_architecture(model, model_dir) -> Non
     assert type(AutoProcessor.from_pretrained(model_dir)).__name__ == "Qwen3VLProcessor"
 
 
-def test_saved_names_are_the_in_memory_names_except_moe_experts_which_are_saved_per_expert(
-    model, model_dir
-) -> None:
-    """vLLM's loader reads the saved names. Dense: exactly the in-memory names (no renaming). MoE:
-    transformers holds each layer's experts fused ((E, 2I, H) `gate_up_proj`, (E, H, I) `down_proj`)
-    and writes them one expert at a time; everything else is saved as named in memory."""
+def test_the_weights_vllm_is_sent_are_the_saved_checkpoint_name_for_name_and_value(model, model_dir) -> None:
+    """vLLM's loader reads a checkpoint as saved, and a weight sync sends `checkpoint_names`. Dense: the
+    in-memory names. MoE: transformers holds each layer's experts fused ((E, 2I, H) `gate_up_proj`, gate
+    then up; (E, H, I) `down_proj`) and writes them one expert and projection at a time; the sync sends
+    exactly those tensors."""
+    sent = dict(checkpoint_names(model))
     with safe_open(model_dir / "model.safetensors", "pt") as f:
-        saved = set(f.keys())
-    ours = {name for name, _ in checkpoint_names(model)}
-    assert ours <= set(model.state_dict()) and "lm_head.weight" not in ours | saved  # tied, not saved
-    assert any(k.startswith("model.visual.blocks.") for k in saved)
-    assert any(".linear_attn.in_proj_qkv." in k for k in saved)
-    if not family_of(model).mixture_of_experts:
-        assert ours == saved
-        return
-    experts = 4 * 3 * len(model.model.language_model.layers)  # experts x (gate, up, down) x layers
-    assert len(saved - ours) == experts and all(".mlp.experts." in k for k in saved - ours)
-    assert {k for k in ours - saved} == {
-        f"model.language_model.layers.{i}.mlp.experts.{w}"
-        for i in range(4)
-        for w in ("gate_up_proj", "down_proj")
-    }
+        assert set(sent) == set(f.keys())
+        for name, tensor in sent.items():
+            assert torch.equal(tensor, f.get_tensor(name)), name
+    assert "lm_head.weight" not in sent  # tied, not saved
+    assert any(k.startswith("model.visual.blocks.") for k in sent)
+    assert any(".linear_attn.in_proj_qkv." in k for k in sent)
+    per_expert = [k for k in sent if ".mlp.experts." in k]
+    layers = len(model.model.language_model.layers)
+    assert len(per_expert) == (4 * 3 * layers if family_of(model).mixture_of_experts else 0)
 
 
 def test_fsdp_units_and_lora_prefixes_cover_both_layer_kinds_and_the_vision_tower(model) -> None:
@@ -334,13 +328,6 @@ def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_eng
     with pytest.raises(WeightSyncError, match="did not arrive"):
         vllm_engine.verify()  # sync skipped: vLLM still has the old weights
     vllm_engine.sync_weights()
-    if family_of(vllm_engine.model).mixture_of_experts:
-        # transformers holds Qwen3.5-MoE's experts fused (`mlp.experts.gate_up_proj`) while the checkpoint,
-        # and so vLLM's loader, names them per expert; `checkpoint_names` only renames, so the experts do
-        # not arrive. When this stops raising, the sync carries them.
-        with pytest.raises(WeightSyncError, match="did not arrive"):
-            vllm_engine.verify()
-        pytest.xfail("Qwen3.5-MoE's fused experts are not split per expert for vLLM's loader")
     assert vllm_engine.verify() < BF16_TOLERANCE
     sampled = vllm_engine.generate(
         prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)

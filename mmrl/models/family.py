@@ -11,7 +11,7 @@ itself with `@register`. Adding a family is one module and one import in `mmrl/m
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -90,7 +90,7 @@ class Family:
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
     saved_prefixes: ClassVar[dict[str, str]] = {}
-    # `checkpoint_tensor` lays some tensor out otherwise than transformers saves it: model folders
+    # `checkpoint_tensors` lays some tensor out otherwise than transformers saves it: model folders
     # mmrl writes are rewritten in the released layout (`save_model`), which vLLM needs.
     relaid_out: ClassVar[bool] = False
 
@@ -254,10 +254,10 @@ class Family:
         ids = list(prompt_ids)
         return [t for i, t in enumerate(ids) if not (t in pads and i and ids[i - 1] == t)]
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """A tensor (under its saved name) as the family's released checkpoints, and so vLLM's loader,
-        lay it out: the in-memory layout unless a family says otherwise (and sets `relaid_out`)."""
-        return tensor
+        hold it: as in memory unless a family lays it out otherwise or splits it up."""
+        yield name, tensor
 
     def saved_name(self, name: str) -> str:
         """A parameter's in-memory name as its saved checkpoint (and so vLLM's loader) spells it."""

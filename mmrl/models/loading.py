@@ -129,6 +129,10 @@ def save_model(model: Any, processor: Any, out: str | Path) -> Path:
         for path in sorted(out.glob("*.safetensors")):
             with safe_open(path, "pt") as f:
                 metadata = f.metadata()
-                tensors = {k: family.checkpoint_tensor(k, f.get_tensor(k)).contiguous() for k in f.keys()}  # noqa: SIM118
+                tensors = {
+                    name: tensor.contiguous()
+                    for key in f.keys()  # noqa: SIM118
+                    for name, tensor in family.checkpoint_tensors(key, f.get_tensor(key))
+                }
             save_file(tensors, path, metadata=metadata)
     return out

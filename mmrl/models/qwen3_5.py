@@ -31,8 +31,10 @@ What is its own:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import torch
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from mmrl.models.family import register
@@ -115,6 +117,22 @@ class Qwen3_5_MoE(Qwen3_5):
     model_types = ("qwen3_5_moe",)
     model_class = "Qwen3_5MoeForConditionalGeneration"
     mixture_of_experts = True
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fused experts as the checkpoint (and so vLLM's loader) has them, one expert and projection
+        at a time: `gate_up_proj` (E, 2I, H) is each expert's gate then up projection, `down_proj`
+        (E, H, I) its down projection."""
+        experts, _, kind = name.rpartition(".")
+        if not experts.endswith(".mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+            return
+        for e, weight in enumerate(tensor):
+            if kind == "down_proj":
+                yield f"{experts}.{e}.down_proj.weight", weight
+                continue
+            gate, up = weight.chunk(2)
+            yield f"{experts}.{e}.gate_proj.weight", gate
+            yield f"{experts}.{e}.up_proj.weight", up
 
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Qwen3_5MoeConfig:

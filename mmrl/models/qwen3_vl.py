@@ -109,11 +109,6 @@ class Qwen3_VL(Family):
                 i += 1
         return out
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor (under its saved name) as the family's released checkpoints lay it out; vLLM's loader
-        takes that layout. Qwen3-VL's is the in-memory one (Qwen3-VL-MoE's experts are not)."""
-        return tensor
-
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Any:
         return Qwen3VLConfig(

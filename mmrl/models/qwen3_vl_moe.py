@@ -10,11 +10,12 @@ Expert weight layout: transformers 5.19 holds the fused experts as (experts, out
 (`is_fused_checkpoint_transposed=True`), have them as (experts, in, out); transformers transposes
 them on load by shape. vLLM rejects a checkpoint as transformers writes it, so the same transpose is
 due on every weight sync, and every folder mmrl writes (tiny builds, warm-up, checkpoints, exports) is
-rewritten in the released layout (`save_model`): `checkpoint_tensor` gives a tensor as that layout has it.
+rewritten in the released layout (`save_model`): `checkpoint_tensors` gives a tensor as that layout has it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,12 +34,12 @@ class Qwen3_VL_MoE(Qwen3_VL):
     mixture_of_experts = True
     relaid_out = True
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A saved-name tensor as Qwen's released checkpoints (and vLLM's loader) lay it out: the fused
-        experts `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` as (experts, in, out)."""
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fused experts `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` as Qwen's released
+        checkpoints (and vLLM's loader) lay them out, (experts, in, out)."""
         if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-            return tensor.transpose(1, 2)
-        return tensor
+            tensor = tensor.transpose(1, 2)
+        yield name, tensor
 
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Any:

@@ -57,8 +57,7 @@ def checkpoint_names(model: Any) -> Any:
     for name, tensor in merged_state(model):
         if tied and name == "lm_head.weight":
             continue
-        name = family.saved_name(name)
-        yield name, family.checkpoint_tensor(name, tensor)
+        yield from family.checkpoint_tensors(family.saved_name(name), tensor)
 
 
 def video_item(video: Video) -> tuple[Any, dict[str, Any]]:
