@@ -20,6 +20,7 @@ FAST = [
     "data.val_files=[]",
     "data.shuffle=false",
     "rollout.n=2",
+    "reward.isolation=inline",  # `split` counts its calls: one process must make them all, in order
 ]
 # Prompts answered "same" get one score for every response: their groups are uniform. Prompts
 # answered "vary" alternate 0, 1, 0, ... across calls, so each group of n >= 2 differs.
