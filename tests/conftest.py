@@ -69,9 +69,9 @@ def tiny_family_dir(tmp_path_factory: pytest.TempPathFactory):
 LONGEST_FIRST = (
     "test_learning.py::test_video_quickstart",  # 450 s
     "test_vla_learning.py",  # 310 s
-    "test_learning_recipes.py",  # 5 runs, 125-195 s each
-    "test_custom_reward_learning.py",  # 130 s
-    "test_learning.py",  # 120 s
+    "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl",  # 260 s
+    "test_learning_recipes.py",  # 5 runs, 125-205 s each
+    "test_custom_reward_learning.py",  # 135 s
     "faults/test_crash_resume.py",  # 90 s, one group
     "faults/test_resources.py",  # 70 s
     "test_resume.py",  # one group
