@@ -201,7 +201,8 @@ def vllm_engine_for(
     model_dir: Path, dtype: torch.dtype = torch.float32, images: PixelBudget | None = None
 ) -> Iterator[VLLMEngine]:
     """A fixture body: the real vLLM engine on the tiny model in `model_dir` (eager, no periodic sync
-    check), freed after the module."""
+    check), freed after the module with its process groups."""
+    _fresh_vllm_process_groups()  # an earlier module's engine (test_vllm.py, another family) may have left them
     pixels = {"pixels": (images.min_pixels, images.max_pixels)} if images else {}
     engine = make_engine(
         "vllm",
@@ -216,6 +217,18 @@ def vllm_engine_for(
     yield engine
     del engine
     gc.collect()
+    _fresh_vllm_process_groups()
+
+
+def _fresh_vllm_process_groups() -> None:
+    """An in-process vLLM engine keeps its process groups after it is gone, and the next engine in the
+    process reuses them as they are: one built after a dense model's has no expert-parallel group, and
+    a mixture-of-experts model then fails to build ("expert parallel group is not initialized"). vLLM's
+    own cleanup between engines drops them, so the next engine creates the groups its model needs."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        cleanup_dist_env_and_memory()
 
 
 def vllm_diff(

@@ -276,9 +276,10 @@ NO_BF16 = (
 
 VLLM_DTYPE = torch.bfloat16  # vLLM 0.32's CPU DeltaNet kernels refuse float32 (see the module docstring)
 # bfloat16 on both sides, through different kernels (vLLM's fused DeltaNet and attention against
-# transformers' reference ones under autocast). Measured on the tiny models: dense max 5.8e-3 (mean
-# 2.3e-3), 4.9e-2 after an update; MoE mean 3.2e-3 but max 0.11, where a near tie in the top-2
-# routing goes the other way in one of the two.
+# transformers' reference ones under autocast). Measured on the tiny models (AVX-512, 2026-11-24): dense
+# max 5.8e-3 (mean 2.3e-3), 4.9e-2 (8.3e-3) after an update; MoE max 0.11 (mean 3.2e-3), 0.19 (2.3e-2)
+# after an update, where a near tie in the top-2 routing goes the other way in one of the two. A resync
+# of unchanged weights leaves the MoE figures exactly as they were.
 BF16_TOLERANCE = 0.1
 BF16_MOE_TOLERANCE = 0.25
 
@@ -336,6 +337,5 @@ def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_eng
     print(
         f"{family_of(vllm_engine.model).name} vLLM bf16 after update: max {diff.max():.2e} mean {diff.mean():.2e}"
     )
-    assert diff.max() < BF16_TOLERANCE, (
-        f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
-    )
+    worst = BF16_MOE_TOLERANCE if family_of(vllm_engine.model).mixture_of_experts else BF16_TOLERANCE
+    assert diff.max() < worst, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"

@@ -306,17 +306,6 @@ def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prom
         assert (ids == collapsed) == (not prompt.videos)
 
 
-def _fresh_vllm_process_groups() -> None:
-    """An in-process vLLM engine keeps its process groups after it is gone, and the next engine in the
-    process reuses them as they are: one built after a dense model's has no expert-parallel group, and
-    a mixture-of-experts model then fails to build ("expert parallel group is not initialized"). vLLM's
-    own cleanup between engines drops them, so the next engine creates the groups its model needs."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
-
-    if model_parallel_is_initialized():
-        cleanup_dist_env_and_memory()
-
-
 def test_mmrl_saves_experts_in_the_released_layout_which_transformers_reads_back(model, model_dir, tmp_path):
     """transformers 5.19 holds fused experts as (experts, out, in) and `save_pretrained` writes them so;
     Qwen's releases, and vLLM 0.32's loader, have (experts, in, out). Every folder mmrl writes
@@ -341,9 +330,7 @@ def test_mmrl_saves_experts_in_the_released_layout_which_transformers_reads_back
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir):
     """The engine loads the tiny build as mmrl saved it (released expert layout)."""
-    _fresh_vllm_process_groups()  # test_vllm.py or the other family's engine may have run first
     yield from vllm_engine_for(model_dir, images=MEDIA.images)
-    _fresh_vllm_process_groups()
 
 
 @vllm_only
