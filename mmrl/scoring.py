@@ -42,7 +42,7 @@ class FailingRewards:
 
     def __init__(self, max_steps: int) -> None:
         self.max_steps = max_steps
-        self._streaks: dict[str, tuple[int, int, str]] = {}  # label -> (first step, last step, first error)
+        self._streaks: dict[str, tuple[int, str]] = {}  # label -> (first step of the streak, its first error)
 
     def observe(self, step: int, result: RewardResult) -> None:
         """Count `step` against each function that failed on all of `result`'s samples; a step scored in
@@ -57,8 +57,7 @@ class FailingRewards:
         for label, count in failed.items():
             if not result.overall or count < len(result.overall):
                 continue
-            first, _, error = self._streaks.get(label, (step, step, result.errors.get(label, "")))
-            self._streaks[label] = (first, step, error)
+            first, error = self._streaks.setdefault(label, (step, result.errors.get(label, "")))
             if self.max_steps and step - first + 1 >= self.max_steps:
                 raise RewardError(
                     f"reward function {label!r} failed on every sample for {step - first + 1} steps in a "

@@ -39,7 +39,7 @@ from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from mmrl.models.family import register
 from mmrl.models.qwen2_5_vl import media_ids, tiny_text
-from mmrl.models.qwen3_vl import Qwen3_VL
+from mmrl.models.qwen3_vl import Qwen3_VL, tiny_vision
 
 # Three DeltaNet layers then one full-attention layer: the real checkpoints' pattern (interval 4).
 TINY_LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -77,18 +77,10 @@ def tiny_qwen3_5_text(tokenizer: Any) -> dict[str, Any]:
 
 
 def tiny_qwen3_5_vision() -> dict[str, Any]:
-    """The tiny vision tower: depth 2, hidden 64, patch 16, merge 2, temporal 2 (no DeepStack)."""
-    return {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 4,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": 128,  # the language model's hidden size
-        "num_position_embeddings": 256,  # a 16 x 16 learned grid, interpolated to each image
-    }
+    """Qwen3-VL's tiny vision tower without DeepStack (Qwen3.5's tower returns merged features only)."""
+    vision = tiny_vision()
+    del vision["deepstack_visual_indexes"]
+    return vision
 
 
 @register
