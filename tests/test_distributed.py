@@ -242,6 +242,7 @@ def test_a_killed_worker_stops_the_run_naming_it_and_the_step_and_resume_continu
         4,
         "trainer.n_gpus_per_node=2",
         f"reward.functions=[{{name: '{data / 'killer.py'}:reward'}}]",
+        "reward.isolation=inline",  # `reward` counts its calls in a file: one process must make them all
     )
     cfg = load_config("configs/quickstart.yaml", overrides)
     trainer = Trainer(cfg)

@@ -150,12 +150,12 @@ def test_a_first_ctrl_c_finishes_the_step_and_saves(
     reward = tmp_path / "interrupting.py"
     reward.write_text(
         "import os, signal\n"
-        "from pathlib import Path\n"
         "def scramble(sample, **kwargs):\n"
-        "    sent = Path(os.environ['SENT_FILE'])\n"
-        "    if not sent.exists():\n"
-        "        sent.write_text('')\n"
-        "        os.kill(int(os.environ['TRAINER_PID']), signal.SIGINT)\n"
+        "    try:  # created once, atomically: two reward workers must not both send Ctrl-C\n"
+        "        os.close(os.open(os.environ['SENT_FILE'], os.O_CREAT | os.O_EXCL))\n"
+        "    except FileExistsError:\n"
+        "        return len(sample.response) % 3 / 2\n"
+        "    os.kill(int(os.environ['TRAINER_PID']), signal.SIGINT)\n"
         "    return len(sample.response) % 3 / 2\n"
     )
     monkeypatch.setenv("TRAINER_PID", str(os.getpid()))
