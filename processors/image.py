@@ -1,18 +1,19 @@
-"""Loading any image users hand us, and the single rule that decides its size for the model."""
+"""Loading any image users hand us, and sizing it for the model by the family's own library rule."""
 
 from __future__ import annotations
 
 import io
-import math
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from PIL import Image, ImageOps, UnidentifiedImageError
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-# Qwen2.5-VL rejects images whose long side is more than 200 times the short side.
-MAX_ASPECT_RATIO = 200
+# (height, width, factor, min_pixels, max_pixels) -> (height, width): transformers' `smart_resize`.
+SizeRule = Callable[[int, int, int, int, int], tuple[int, int]]
 
 
 class ImageError(ValueError):
@@ -21,20 +22,25 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class PixelBudget:
-    """How many pixels an image may have once resized, and the grid its sides snap to."""
+    """How many pixels an image may have once resized, the grid its sides snap to, and the rule
+    that sizes it: the image processor's own, which `Family.image_size_rule` picks per family."""
 
     min_pixels: int = 28 * 28
     max_pixels: int = 1024 * 28 * 28
     patch_size: int = 14
     merge_size: int = 2
+    rule: SizeRule = smart_resize
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
 
+Budget = TypeVar("Budget")  # a PixelBudget or a VideoBudget: both bound pixels with min_pixels, max_pixels
+
+
 def load_image(source: Any, base_dir: str | Path | None = None) -> Image.Image:
-    """Open a path, bytes, `{"bytes"|"path": ...}` dict or PIL image as an upright RGB image.
+    """Open a path, bytes, `{"image"|"bytes"|"path": ...}` dict or PIL image as an upright RGB image.
 
     EXIF rotation is applied, palette/CMYK/16-bit/alpha images are converted, and anything
     unreadable raises `ImageError` naming the source, so the caller can skip and count it. PIL's
@@ -42,7 +48,7 @@ def load_image(source: Any, base_dir: str | Path | None = None) -> Image.Image:
     `is_huge` in their own words, once, instead of a raw warning per image.
     """
     if isinstance(source, dict):
-        source = source.get("bytes") or source.get("path")
+        source = source.get("image") or source.get("bytes") or source.get("path")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         return _open(source, base_dir)
@@ -97,66 +103,64 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def smart_size(height: int, width: int, budget: PixelBudget) -> tuple[int, int]:
-    """The (height, width) the model sees: sides are multiples of the patch grid and the area
-    lies in [min_pixels, max_pixels], keeping the aspect ratio as closely as the grid allows."""
+    """The (height, width) the model sees: the family's own library rule (`budget.rule`), so it is
+    what the checkpoint's image processor would resize the image to.
+
+    Sides are multiples of the patch grid and the area lies in [min_pixels, max_pixels] as far as
+    the rule's rounding allows: a min = max budget can land a grid step off it, and a long strip
+    pinned at one grid cell can pass max_pixels. An image without pixels, or one the rule refuses
+    (aspect ratio past 200:1), raises `ImageError`, so the row is skipped as `bad_image`."""
     if height < 1 or width < 1:
         raise ImageError(f"image has no pixels ({width}x{height})")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+    try:
+        return budget.rule(height, width, budget.factor, budget.min_pixels, budget.max_pixels)
+    except ValueError as err:
         raise ImageError(
-            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 of a {width}x{height} image "
-            f"exceeds {MAX_ASPECT_RATIO}:1; crop or pad it"
-        )
-    f = budget.factor
-    h = max(f, round(height / f) * f)
-    w = max(f, round(width / f) * f)
-    if h * w > budget.max_pixels:  # scale both sides by sqrt(max / area), rounded down onto the grid
-        h = f * max(1, math.isqrt(budget.max_pixels * height // (f * f * width)))
-        w = f * max(1, math.isqrt(budget.max_pixels * width // (f * f * height)))
-        if h * w > budget.max_pixels:  # the short side is pinned at one grid cell: trim the long one
-            if h >= w:
-                h = max(f, budget.max_pixels // w // f * f)
-            else:
-                w = max(f, budget.max_pixels // h // f * f)
-    elif h * w < budget.min_pixels:  # scale both sides by sqrt(min / area), rounded up onto the grid
-        h = f * _ceil_sqrt(budget.min_pixels * height, f * f * width)
-        w = f * _ceil_sqrt(budget.min_pixels * width, f * f * height)
-        while h * w > budget.max_pixels:  # rounding up overshot a tight budget: shrink the long side
-            if h >= w:
-                h -= f
-            else:
-                w -= f
-    if not budget.min_pixels <= h * w <= budget.max_pixels:
-        return _closest_in_budget(height, width, budget) or (h, w)
-    return h, w
+            f"a {width}x{height} image cannot be sized for the model ({err}); crop or pad it"
+        ) from err
 
 
-def _ceil_sqrt(numerator: int, denominator: int) -> int:
-    """The smallest n with n * n >= numerator / denominator, in integers: a float square root can
-    land a hair under a whole number and lose a grid cell (10000 x 10000 at 12544 px came out 84 x 84)."""
-    return math.isqrt(-(-numerator // denominator) - 1) + 1
+def entry_keys(entry: Any, height: int, width: int, budget: Budget) -> tuple[int, int, Budget]:
+    """The size to fit and the budget for a row's image or video entry, read as qwen-vl-utils'
+    `fetch_image` reads a message's keys: `resized_height` and `resized_width` (both) stand in for
+    the source size, still snapped by the rule within the run's budget; otherwise the entry's
+    `min_pixels`/`max_pixels` replace the run's. A key that is absent or None (a field other rows
+    of a parquet struct column have) changes nothing; a bad value raises ValueError."""
+    if not isinstance(entry, dict):
+        return height, width, budget
+    resized = entry_int(entry, "resized_height"), entry_int(entry, "resized_width")
+    if None not in resized:
+        return resized[0], resized[1], budget
+    low = entry_int(entry, "min_pixels") or budget.min_pixels
+    high = entry_int(entry, "max_pixels") or budget.max_pixels
+    if low > high:
+        raise ValueError(f"min_pixels={low} exceeds max_pixels={high}; give the entry both, min <= max")
+    return height, width, replace(budget, min_pixels=low, max_pixels=high)
 
 
-def _closest_in_budget(height: int, width: int, budget: PixelBudget) -> tuple[int, int] | None:
-    """The grid size within [min_pixels, max_pixels] whose aspect ratio is nearest the image's (the
-    larger on a tie), for budgets so narrow (min near max) that snapping each side misses them; None
-    when no grid size fits, and then `max_pixels` wins."""
-    f = budget.factor
-    least, most = -(-budget.min_pixels // (f * f)), budget.max_pixels // (f * f)
-    ratio = width / height
-    best: tuple[float, int, int, int] | None = None
-    for rows in range(1, most + 1):
-        low, high = -(-least // rows), most // rows
-        if low > high:
-            continue
-        cols = min(max(round(rows * ratio), low), high)
-        candidate = (abs(math.log(cols / rows / ratio)), -rows * cols, rows, cols)
-        best = candidate if best is None else min(best, candidate)
-    return None if best is None else (best[2] * f, best[3] * f)
+def entry_int(entry: dict[str, Any], key: str) -> int | None:
+    """The positive whole number under `key` (200704.0 from a nullable parquet column too), or None."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 1
+        or not float(value).is_integer()
+    ):
+        raise ValueError(f"{key}={value!r}: use a positive whole number")
+    return int(value)
 
 
-def fit_image(image: Image.Image, budget: PixelBudget) -> Image.Image:
-    """Resize to `smart_size`; the one place an image's model-input size is decided."""
-    h, w = smart_size(image.height, image.width, budget)
+def fit_image(image: Image.Image, budget: PixelBudget, entry: Any = None) -> Image.Image:
+    """Resize to `smart_size`; the one place an image's model-input size is decided. `entry` is the
+    row's value the image came from: a dict's qwen-vl-utils keys size this image (`entry_keys`)."""
+    try:
+        height, width, budget = entry_keys(entry, image.height, image.width, budget)
+    except ValueError as err:
+        raise ImageError(f"image entry: {err}") from None
+    h, w = smart_size(height, width, budget)
     if (w, h) == image.size:
         return image
     return image.resize((w, h), Image.Resampling.BICUBIC)

@@ -2,8 +2,9 @@
 
 A video reaches the model as an even number of equally sized frames; each pair of frames is one
 temporal patch. `read_video` decodes (decord, falling back to PyAV), samples by target fps and a
-frame cap, and resizes every frame with `video_frame_size`, the single rule that rollout and
-training share, so the `<|video_pad|>` count in a prompt always equals the vision tower's output.
+frame cap, and resizes every frame with `video_frame_size`, which applies the family's video
+processor's own rule (`VideoBudget.rule`) and which rollout and training share, so the
+`<|video_pad|>` count in a prompt always equals the vision tower's output.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import io
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
+from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
 
-from processors.image import ImageError, PixelBudget, smart_size
+from processors.image import ImageError, entry_int, entry_keys, load_image
 
 log = logging.getLogger("mmrl.processors.video")
 
@@ -31,13 +33,28 @@ class VideoError(ValueError):
     """A video that cannot be used; the message says which and why, for the skip log."""
 
 
+# (num_frames, height, width, budget, max_pixels) -> the (height, width) of every frame, by the family's
+# video processor's own rule; `budget.min_pixels` and `max_pixels` (the frame's share) bound one frame.
+FrameRule = Callable[[int, int, int, "VideoBudget", int], tuple[int, int]]
+
+
+def frame_by_frame(
+    num_frames: int, height: int, width: int, budget: VideoBudget, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen2-VL's and Qwen2.5-VL's video processor: each frame by transformers' `smart_resize`."""
+    return smart_resize(height, width, budget.factor, budget.min_pixels, max_pixels)
+
+
 @dataclass(frozen=True)
 class VideoBudget:
     """How densely a video is sampled and how many pixels its frames may use.
 
     `min_pixels`/`max_pixels` bound each frame and `max_total_pixels` bounds the sum over all
     frames, so a long clip gets smaller frames rather than more tokens: a video costs at most
-    `max_total_pixels / (temporal_patch_size * factor**2)` placeholder tokens.
+    `max_total_pixels / (temporal_patch_size * factor**2)` placeholder tokens, up to the rounding of
+    `rule`, the family's video processor's own (`Family.video_size_rule`), which keeps a thin strip
+    one grid cell across. `nframes` (a row's own key) takes that many frames instead of sampling at
+    `fps`.
     """
 
     fps: float = 2.0
@@ -48,8 +65,12 @@ class VideoBudget:
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
+    nframes: int | None = None
+    rule: FrameRule = frame_by_frame
 
     def __post_init__(self) -> None:
+        if self.nframes is not None and self.nframes < 1:
+            raise ValueError(f"VideoBudget.nframes={self.nframes}: use a positive frame count")
         if self.fps <= 0:
             raise ValueError(f"VideoBudget.fps={self.fps}: use a positive sampling rate such as 2.0")
         if self.max_frames < self.temporal_patch_size or self.max_frames % self.temporal_patch_size:
@@ -97,7 +118,8 @@ class FramePlan(NamedTuple):
 
 
 def plan_frames(total_frames: int, source_fps: float, budget: VideoBudget) -> FramePlan:
-    """Spread `duration * budget.fps` frames evenly over the clip, capped by `max_frames`.
+    """Spread `duration * budget.fps` (or `budget.nframes`) frames evenly over the clip, capped by
+    `max_frames`.
 
     The count is rounded up to a whole temporal patch with real frames while the source has them;
     only clips too short for that repeat their last frame. Each pick is the frame at the middle of
@@ -108,7 +130,8 @@ def plan_frames(total_frames: int, source_fps: float, budget: VideoBudget) -> Fr
     if not source_fps > 0:
         raise VideoError(f"video reports frame rate {source_fps}; re-encode it with a fixed rate (ffmpeg -r)")
     tps = budget.temporal_patch_size
-    wanted = max(1, min(round(total_frames / source_fps * budget.fps), total_frames, budget.max_frames))
+    wanted = budget.nframes or round(total_frames / source_fps * budget.fps)
+    wanted = max(1, min(wanted, total_frames, budget.max_frames))
     real = min(wanted + -wanted % tps, total_frames)
     indices = [math.floor((i + 0.5) * total_frames / real) for i in range(real)]
     indices += indices[-1:] * (-real % tps)
@@ -118,15 +141,16 @@ def plan_frames(total_frames: int, source_fps: float, budget: VideoBudget) -> Fr
 def video_frame_size(height: int, width: int, num_frames: int, budget: VideoBudget) -> tuple[int, int]:
     """The (height, width) every frame of a video is resized to: the one sizing rule for videos.
 
-    Each frame gets an equal share of `max_total_pixels`, capped by `max_pixels`, and
-    `smart_size` snaps it to the patch grid as it does for images.
+    Each frame gets an equal share of `max_total_pixels`, capped by `max_pixels`, and the family's
+    video processor's rule (`budget.rule`) snaps it to the patch grid.
     """
     share = min(budget.max_pixels, budget.max_total_pixels // num_frames)
-    frame_budget = PixelBudget(budget.min_pixels, share, budget.patch_size, budget.merge_size)
     try:
-        return smart_size(height, width, frame_budget)
-    except ImageError as err:
-        raise VideoError(f"video frames of {width}x{height}: {err}") from err
+        return budget.rule(num_frames, height, width, budget, share)
+    except ValueError as err:
+        raise VideoError(
+            f"video frames of {width}x{height} cannot be sized ({err}); crop or pad them"
+        ) from err
 
 
 def video_grid_thw(video: Video, budget: VideoBudget) -> tuple[int, int, int]:
@@ -170,23 +194,48 @@ def read_video(
     base_dir: str | Path | None = None,
     backend: Backend = "auto",
 ) -> Video:
-    """Decode, sample and size a video from a path, bytes, `{"bytes"|"path": ...}` dict or frames.
+    """Decode, sample and size a video from a path, bytes, a dict, or frames.
 
-    Frames are a list (or a (T, H, W, 3) array) of PIL images or HxWx3 uint8 arrays shown at
-    `fps`; without it they are taken to be sampled at `budget.fps` already (files carry their own
-    rate, so `fps` applies to frames only). Files go through decord
-    and, when decord is missing or fails, PyAV. Anything unusable raises `VideoError` naming the
-    source, so the caller can skip and count it.
+    Frames are a list (or a (T, H, W, 3) array) of PIL images, HxWx3 uint8 arrays or image paths
+    shown at `fps`; without it they are taken to be sampled at `budget.fps` already (files carry
+    their own rate, so `fps` applies to frames only). A dict holds the video under `video`, `bytes`
+    or `path`, with qwen-vl-utils' keys for this video (`entry_budget`, `entry_keys`). Files go
+    through decord and, when decord is missing or fails, PyAV. Anything unusable raises
+    `VideoError` naming the source, so the caller can skip and count it.
     """
-    if isinstance(source, dict):
-        source = source.get("bytes") or source.get("path")
+    entry = source if isinstance(source, dict) else None
+    if entry is not None:
+        budget = entry_budget(entry, budget)
+        source = entry["video"] if entry.get("video") is not None else entry.get("bytes") or entry.get("path")
     if isinstance(source, (list, tuple, np.ndarray)):
-        frames, plan = _sample_frame_list(source, budget.fps if fps is None else fps, budget)
+        frames, plan = _sample_frame_list(source, budget.fps if fps is None else fps, budget, base_dir)
     else:
         frames, plan = _decode(_file_source(source, base_dir), backend, budget)
     height, width = frames[0].shape[:2]
-    size = video_frame_size(height, width, len(plan.indices), budget)
+    try:
+        fit_height, fit_width, budget = entry_keys(entry, height, width, budget)
+    except ValueError as err:
+        raise VideoError(f"video entry: {err}") from None
+    size = video_frame_size(fit_height, fit_width, len(plan.indices), budget)
     return Video(_resize(frames, size), tuple(plan.timestamps), plan.fps, (height, width))
+
+
+def entry_budget(entry: dict[str, Any], budget: VideoBudget) -> VideoBudget:
+    """The run's sampling with a row's video entry's `fps` or `nframes`, one or the other, as
+    qwen-vl-utils' `smart_nframes` reads them: `fps` replaces data.video_fps (for a list of frames,
+    the rate they were taken at), `nframes` takes that many frames evenly over the clip, still at
+    most data.video_max_frames. Pixel keys are `entry_keys`'."""
+    fps, nframes = entry.get("fps"), entry.get("nframes")
+    if fps is not None and nframes is not None:
+        raise VideoError(f"video entry gives fps={fps} and nframes={nframes}; give one or the other")
+    try:
+        if fps is not None:
+            if isinstance(fps, bool) or not isinstance(fps, (int, float)):
+                raise ValueError(f"fps={fps!r}: use a positive number of frames per second")
+            return replace(budget, fps=float(fps))
+        return budget if nframes is None else replace(budget, nframes=entry_int(entry, "nframes"))
+    except ValueError as err:
+        raise VideoError(f"video entry: {err}") from None
 
 
 def keep_frames_kwargs(video_processor: Any) -> dict[str, Any]:
@@ -309,21 +358,29 @@ _Decoder = Callable[[Any, Callable[[int, float], FramePlan]], tuple[np.ndarray, 
 _DECODERS: dict[str, _Decoder] = {"decord": _decode_decord, "pyav": _decode_pyav}
 
 
-def _sample_frame_list(frames: Any, fps: float, budget: VideoBudget) -> tuple[list[np.ndarray], FramePlan]:
-    """Frames already in memory: sampled by the same plan as decoded files."""
+def _sample_frame_list(
+    frames: Any, fps: float, budget: VideoBudget, base_dir: str | Path | None
+) -> tuple[list[np.ndarray], FramePlan]:
+    """Frames in memory or image files: sampled by the same plan as decoded files (only the sampled
+    files are read)."""
     if len(frames) == 0:
         raise VideoError("video has no frames; pass at least one frame")
     plan = plan_frames(len(frames), fps, budget)
-    return [_as_rgb_array(frames[i], i) for i in plan.indices], plan
+    return [_as_rgb_array(frames[i], i, base_dir) for i in plan.indices], plan
 
 
-def _as_rgb_array(frame: Any, index: int) -> np.ndarray:
+def _as_rgb_array(frame: Any, index: int, base_dir: str | Path | None) -> np.ndarray:
+    if isinstance(frame, (str, Path, bytes)):
+        try:
+            return np.asarray(load_image(frame, base_dir))
+        except ImageError as err:
+            raise VideoError(f"frame {index}: {err}") from None
     if isinstance(frame, Image.Image):
         return np.asarray(frame.convert("RGB"))
     arr = np.asarray(frame)
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise VideoError(
-            f"frame {index} is a {arr.dtype} array of shape {arr.shape}; pass HxWx3 uint8 RGB frames or PIL images"
+            f"frame {index} is a {arr.dtype} array of shape {arr.shape}; pass HxWx3 uint8 RGB frames, PIL images or image paths"
         )
     return arr
 

@@ -209,6 +209,54 @@ def test_frame_lists_of_pil_and_arrays(clip: Path) -> None:
     assert as_sampled.fps == BUDGET.fps
 
 
+# --- a row's own keys (qwen-vl-utils' `fps`, `nframes` and pixel keys) ---------------------------
+
+
+def test_a_video_entrys_nframes_and_fps_pick_the_frames(clip: Path) -> None:
+    """The 10 s clip at 7.5 fps: `nframes` spreads that many frames over it (at most the run's
+    max_frames), `fps` replaces the run's sampling rate."""
+    entry = {"video": clip.name}
+    four = read_video({**entry, "nframes": 4}, BUDGET, base_dir=clip.parent)
+    assert [frame_index(f) for f in four.frames] == [9, 28, 46, 65]
+    assert four.fps == pytest.approx(0.4) and four.timestamps[0] == pytest.approx(9 / 7.5)
+    assert len(read_video({**entry, "nframes": 20}, BUDGET, base_dir=clip.parent).frames) == BUDGET.max_frames
+    slow = read_video({**entry, "fps": 0.5}, BUDGET, base_dir=clip.parent)  # 5 frames, a 6th before padding
+    assert len(slow.frames) == 6 and slow.fps == pytest.approx(0.6)
+    assert len(read_video(entry, BUDGET, base_dir=clip.parent).frames) == 8  # 2 fps, capped at max_frames
+
+
+def test_a_video_entrys_pixel_keys_size_its_frames(clip: Path) -> None:
+    small = read_video({"video": str(clip), "max_pixels": 28 * 28}, BUDGET)
+    assert small.size == (28, 28) and small.source_size == (48, 64)
+    resized = read_video({"path": str(clip), "resized_height": 112, "resized_width": 56}, BUDGET)
+    assert resized.size == video_frame_size(112, 56, 8, BUDGET) == (84, 28)  # snapped within the run's budget
+
+
+def test_a_video_entry_may_list_its_frames_as_image_files(tmp_path: Path) -> None:
+    names = []
+    for i in range(6):
+        names.append(f"f{i}.png")
+        Image.fromarray(code_frame(i)).save(tmp_path / names[-1])
+    video = read_video({"video": names, "nframes": 2}, BUDGET, base_dir=tmp_path)
+    assert [frame_index(f) for f in video.frames] == [1, 4]
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [
+        ({"fps": 1.0, "nframes": 4}, "give one or the other"),
+        ({"nframes": 0}, "nframes=0: use a positive whole number"),
+        ({"fps": "fast"}, "fps='fast'"),
+        ({"fps": -1}, "positive sampling rate"),
+        ({"min_pixels": 100 * 784}, "exceeds max_pixels"),
+        ({"video": ["missing.png"]}, "frame 0: cannot read image"),
+    ],
+)
+def test_bad_video_entry_keys_raise_video_error(clip: Path, keys: dict, match: str) -> None:
+    with pytest.raises(VideoError, match=match):
+        read_video({"video": str(clip), **keys}, BUDGET, base_dir=clip.parent)
+
+
 @pytest.mark.parametrize(
     ("frames", "match"),
     [

@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import BUDGET, mixed_media_dataset, mixed_prompts, update_once
+from PIL import Image
 
 from mmrl.actor import Actor, forward_logprobs
 from mmrl.cli import main
 from mmrl.config import ActorConfig, VLLMConfig
+from mmrl.data import PromptSample
 from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
 from mmrl.optim import plan_minibatches
@@ -24,7 +26,16 @@ from mmrl.rollout import HFEngine, SamplingParams, make_engine, resolve_engine
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.synthetic import generate
-from processors import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
+from processors import (
+    TRANSFORMERS_RULE,
+    PositionRule,
+    build_messages,
+    encode_prompt,
+    fit_image,
+    mrope_position_ids,
+    num_image_tokens,
+    pixel_inputs,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -73,6 +84,23 @@ def test_vllm_logprobs_match_the_training_forward_on_a_mixed_batch(engine) -> No
     # At the wrong temperature the two disagree, so the agreement above is not vacuous.
     wrong = (_trainer_logprobs(engine, batch, 1.0) - batch["rollout_logprobs"])[mask].abs()
     assert wrong.max() > 1e-3
+
+
+def test_an_image_fitted_off_the_budget_is_not_resized_again(engine) -> None:
+    """transformers' rule can size an image off the pixel budget (a strip keeps one grid cell across;
+    a min = max budget can land a grid step off): vLLM takes it as fitted, as the trainer does."""
+    processor = load_processor(engine.model.name_or_path)
+    image = fit_image(Image.new("RGB", (2000, 20), (200, 0, 0)), BUDGET)
+    assert image.size == (1120, 28) and image.width * image.height > BUDGET.max_pixels
+    count = num_image_tokens(image.height, image.width, BUDGET)
+    ids = encode_prompt(processor.tokenizer, build_messages("<image>What colour?", 1), [count])
+    inputs = pixel_inputs([image], processor.image_processor)
+    prompt = PromptSample(0, ids, "q", "red", [image], [], inputs["pixel_values"], inputs["image_grid_thw"])
+    torch.manual_seed(0)
+    batch = engine.generate([prompt], SamplingParams(n=2, temperature=0.7, max_new_tokens=6, logprobs=True))
+    mask = batch["response_mask"].bool()
+    diff = (_trainer_logprobs(engine, batch, 0.7) - batch["rollout_logprobs"])[mask].abs()
+    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}: vLLM saw another image than the trainer"
 
 
 def test_responses_stop_at_eos_and_never_contain_image_tokens(engine) -> None:

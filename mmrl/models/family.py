@@ -17,12 +17,16 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from processors import (
     TRANSFORMERS_RULE,
+    FrameRule,
     PositionRule,
+    SizeRule,
     Video,
     VideoBudget,
+    frame_by_frame,
     mrope_position_ids,
     video_pad_count,
 )
@@ -86,6 +90,11 @@ class Family:
     # number temporal patches (Qwen2-VL) or tell time in text (Qwen3's timestamps), and their forward
     # refuses the argument.
     video_time_in_seconds: ClassVar[bool] = True
+    # The transformers functions the family's image and video processors resize with: images
+    # (`processors.smart_size`) and video frames (`video_frame_size`) are sized by them, so every
+    # size is the one the checkpoint's own processors give.
+    image_size_rule: ClassVar[SizeRule] = staticmethod(smart_resize)
+    video_size_rule: ClassVar[FrameRule] = staticmethod(frame_by_frame)
     tiny_grid_factor: ClassVar[int] = 28  # patch x merge of the tiny build, for its default pixel budget
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
@@ -188,14 +197,15 @@ class Family:
         self,
         model: Any,
         input_ids: torch.Tensor,
-        attention: torch.Tensor,
+        attention: torch.Tensor | None,
         positions: torch.Tensor,
         media: dict[str, Any],
         router_losses: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Last hidden states of the model's own forward, with the media encoded beforehand
         (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path.
-        A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss."""
+        A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss.
+        No `attention` for packed rows (`mmrl.packing`): the positions keep the sequences apart."""
         extra = {"output_router_logits": True} if router_losses is not None else {}
         out = model.model(
             input_ids=input_ids,
@@ -209,9 +219,11 @@ class Family:
             router_losses.append(self.router_loss(out.router_logits, attention))
         return out.last_hidden_state
 
-    def router_loss(self, router_logits: tuple[torch.Tensor, ...], attention: torch.Tensor) -> torch.Tensor:
+    def router_loss(
+        self, router_logits: tuple[torch.Tensor, ...], attention: torch.Tensor | None
+    ) -> torch.Tensor:
         """The Switch-Transformer load-balancing loss over every MoE layer, as the model's own
-        `load_balancing_loss_func` computes it in pre-training (padding excluded)."""
+        `load_balancing_loss_func` computes it in pre-training (padding excluded; packed rows have none)."""
         if not self.mixture_of_experts:
             raise ValueError(f"{self.name} has no experts: set actor.router_aux_loss_coef to 0")
         module = importlib.import_module(

@@ -2,6 +2,8 @@
 
 What differs from the `Family` defaults:
 
+- Video frame size: its video processor's own `smart_resize` bounds a whole clip's frames x pixels
+  (`whole_clip`), where Qwen2/2.5-VL's sizes each frame by the image rule.
 - Video text: each temporal patch of a video is its own `<t seconds><|vision_start|>pads<|vision_end|>`
   (`processors.timestamped_video_text`); time is told by those text tokens, not by the position ids.
 - Position ids: transformers' `get_rope_index` splits every video into one t=1 grid per temporal patch,
@@ -27,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLProcessor
-from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 
 from mmrl.models.family import Family, register
 from mmrl.models.qwen2_5_vl import media_ids, tiny_text
@@ -40,6 +42,15 @@ def frame_grids(video_grid_thw: torch.Tensor) -> torch.Tensor:
     frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
     frames[:, 0] = 1
     return frames
+
+
+def whole_clip(
+    num_frames: int, height: int, width: int, budget: VideoBudget, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen3-VL's video processor sizes a clip, not a frame: its `smart_resize` bounds frames x pixels,
+    so the per-frame bounds are scaled by the frame count (and frames under one grid cell grow first)."""
+    low, high = budget.min_pixels * num_frames, max_pixels * num_frames
+    return smart_resize(num_frames, height, width, budget.temporal_patch_size, budget.factor, low, high)
 
 
 def tiny_vision() -> dict[str, Any]:
@@ -74,6 +85,7 @@ class Qwen3_VL(Family):
     tiny_grid_factor = 32
     # save_pretrained writes the in-memory names (checked in tests/test_family_qwen3_vl.py).
     video_time_in_seconds = False  # time is in the timestamp text; every frame's time id is 0
+    video_size_rule = staticmethod(whole_clip)
     saved_prefixes: ClassVar[dict[str, str]] = {}
 
     def video_grids(self, grids: torch.Tensor) -> torch.Tensor:
@@ -121,7 +133,7 @@ class Qwen3_VL(Family):
     @classmethod
     def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
         """The real `Qwen3VLProcessor`: images sized within [min_pixels, max_pixels] on the 32 px grid
-        (as `processors.fit_image` sizes them); the video processor's size bounds a whole clip's pixels
+        (`processors.fit_image` applies its rule); the video processor's size bounds a whole clip's pixels
         (Qwen3-VL's convention), here up to 32 frames at `max_pixels`."""
         return Qwen3VLProcessor(
             image_processor=Qwen2VLImageProcessor(

@@ -139,11 +139,14 @@ class VLLMEngine:
         """vLLM options of a vision-language model (a text-only model takes none)."""
         return {
             "limit_mm_per_prompt": {"image": 8, "video": 4},
-            # The pixel budget sizes images as `processors.fit_image` did (a no-op on fitted images);
-            # video frames were sized by `processors.video_frame_size` and must stay as they are.
+            # Images and video frames were sized by `processors.fit_image` and `video_frame_size` (a
+            # row's own keys included) and must stay as they are: resizing a fitted image again can
+            # move it (a min = max budget lands a grid step off the budget). The pixel budget still
+            # bounds vLLM's memory profile.
             "mm_processor_kwargs": {
                 "min_pixels": min_pixels,
                 "max_pixels": max_pixels,
+                "images_kwargs": {"do_resize": False},
                 "videos_kwargs": keep_frames_kwargs(processor.video_processor),
             },
         }
