@@ -53,7 +53,7 @@ def _preflight(cfg: Config) -> None:
             f"model.path: no model at {model}; this config starts from behaviour cloning, so run "
             "`mmrl sft` with it first (it writes model.path)"
         )
-    from mmrl.data import resolve_data
+    from mmrl.rows import resolve_data
     from mmrl.models import load_config as load_model_config
 
     load_model_config(cfg.model.path)  # a folder or a hub id, of a supported family

@@ -106,6 +106,16 @@ class DataConfig(_Section):
     val_batch_size: int = Field(64, gt=0, description="Prompts per validation generation call")
     max_val_samples: int | None = Field(None, gt=0)
     shuffle: bool = True
+    streaming: bool = Field(
+        False,
+        description="Read train_files one row at a time as training goes, without converting or caching "
+        "them (data larger than the disk, hub ids not worth caching whole); resume replays the epoch's rows",
+    )
+    shuffle_buffer: int = Field(
+        10_000,
+        gt=0,
+        description="With streaming: rows held to shuffle from (a seeded buffer, as in datasets)",
+    )
 
     @model_validator(mode="before")
     @classmethod

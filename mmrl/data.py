@@ -11,13 +11,14 @@ each kind is logged, so a bad corpus shows up in the metrics instead of crashing
 
 from __future__ import annotations
 
-import codecs
+import copy
+import hashlib
+import itertools
 import json
 import logging
 import os
-import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from PIL import Image
 
 from mmrl.config import ConfigError
 from mmrl.models import family_of
+from mmrl.rows import Row, Rows, RowStream, cache_dir, json_row, read_rows
 from processors import (
     ImageError,
     PixelBudget,
@@ -75,9 +77,19 @@ class PromptSample:
 
 
 def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:
-    """`data.min_pixels`/`max_pixels` on the checkpoint's own patch and merge sizes."""
-    grid = family_of(model_config).grid()
-    return PixelBudget(cfg.min_pixels, cfg.max_pixels, grid.patch, grid.merge)
+    """`data.min_pixels`/`max_pixels` on the checkpoint's own patch and merge sizes, sized by its
+    image processor's own rule."""
+    family = family_of(model_config)
+    grid = family.grid()
+    return PixelBudget(cfg.min_pixels, cfg.max_pixels, grid.patch, grid.merge, family.image_size_rule)
+
+
+# A streamed set's layout (easyr1 or verl) is read from its first rows.
+STREAM_HEAD = 1000
+# Bump when `PromptDataset._text` changes what it checks: cached check results then no longer apply.
+CHECKS_VERSION = 1
+# Rows per process in `check_rows`: below this, starting worker processes costs more than it saves.
+ROWS_PER_CHECK_PROCESS = 8192
 
 
 class NoUsableRows(ConfigError):
@@ -101,189 +113,6 @@ class SkipRow(Exception):
         self.reason = reason
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
-# Metadata that sits beside data files: `save_to_disk` bookkeeping and `mmrl data synth`'s summary.
-_NOT_DATA = {"dataset_info.json", "state.json", "dataset_dict.json", "meta.json"}
-_SHARD_STEM = re.compile(r"([A-Za-z]\w*?)(?:-\d+-of-\d+)?")
-
-
-def read_rows(files: list[str]) -> list[tuple[dict[str, Any], Path]]:
-    """All rows of the named data, each with the folder its relative image paths start from.
-
-    Each entry is a file (.jsonl, .json, .parquet, .arrow), a dataset folder, or `FOLDER@SPLIT`
-    (see `resolve_data`). Relative image paths start from a file's folder, or from a named folder.
-    """
-    rows: list[tuple[dict[str, Any], Path]] = []
-    for spec in files:
-        base, paths = resolve_data(spec)
-        for path in paths:
-            rows += [(record, base) for record in _read_file(path)]
-    return rows
-
-
-def resolve_data(spec: str) -> tuple[Path, list[Path]]:
-    """The base folder and data files that `spec` names, or an error that says how to fix it.
-
-    `spec` is a data file; a folder saved with `datasets.save_to_disk` or holding split files
-    (`data/train-00000-of-00001.parquet`, `train.jsonl`, `test/0000.parquet`); either with
-    `@SPLIT`; or a hub name `OWNER/NAME@SPLIT`, found only in the local hub cache, since mmrl
-    reads local files and never downloads.
-    """
-    name, split = spec, None
-    if not Path(spec).exists() and "@" in spec:
-        name, _, split = spec.rpartition("@")
-    path = Path(name)
-    if not path.exists():
-        snapshot = _hub_snapshot(name)
-        if snapshot is None:
-            raise _missing(spec, name)
-        path = snapshot
-    if path.is_dir():
-        return path, _split_files(path, split, spec)
-    if split is not None:
-        raise ConfigError(f"data {spec}: @{split} picks a split of a dataset folder, but {name} is a file")
-    return path.parent, [path]
-
-
-def _missing(spec: str, name: str) -> FileNotFoundError:
-    hint = ""
-    if not Path(name).suffix:
-        local = f"data/{Path(name).name}"
-        hint = (
-            f"; if {name!r} is a Hugging Face hub dataset, download it first (mmrl reads local files only), "
-            f"e.g. `huggingface-cli download --repo-type dataset {name} --local-dir {local}`, "
-            f"then name the folder: {local}@train"
-        )
-    return FileNotFoundError(
-        f"data file {spec} does not exist (check data.train_files / data.val_files){hint}"
-    )
-
-
-def _hub_snapshot(name: str) -> Path | None:
-    """The local hub cache's snapshot of dataset `name` (what `huggingface-cli download` fills)."""
-    if name.count("/") != 1:
-        return None
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    repo = Path(os.environ.get("HF_HUB_CACHE", home / "hub")) / f"datasets--{name.replace('/', '--')}"
-    ref = repo / "refs" / "main"
-    if not ref.is_file():
-        return None
-    snapshot = repo / "snapshots" / ref.read_text(encoding="utf-8").strip()
-    return snapshot if snapshot.is_dir() else None
-
-
-def _split_files(folder: Path, split: str | None, spec: str) -> list[Path]:
-    """The data files of one split of a dataset folder."""
-    if (folder / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: one folder per split
-        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
-        chosen = _pick_split(splits, split, spec)
-        return _split_files(folder / chosen, None, f"{spec}/{chosen}")
-    if (folder / "state.json").is_file():  # save_to_disk of one Dataset
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        if split is not None and split != state.get("_split"):
-            raise ConfigError(
-                f"data {spec}: {folder} holds a single split ({state.get('_split')}); drop @{split}"
-            )
-        return [folder / entry["filename"] for entry in state["_data_files"]]
-    by_split: dict[str, list[Path]] = {}
-    for path in sorted(p for p in folder.rglob("*") if p.suffix in DATA_SUFFIXES):
-        rel = path.relative_to(folder)
-        if path.name not in _NOT_DATA and not _hidden(rel):
-            by_split.setdefault(_split_name(rel), []).append(path)
-    return by_split[_pick_split(sorted(by_split), split, spec)]
-
-
-def _hidden(rel: Path) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
-
-
-def _split_name(rel: Path) -> str:
-    """`train` for `train.jsonl`, `data/train-00000-of-00002.parquet` and `train/0000.parquet`."""
-    match = _SHARD_STEM.fullmatch(rel.stem)
-    return match.group(1) if match else rel.parent.name
-
-
-def _pick_split(splits: list[str], split: str | None, spec: str) -> str:
-    if not splits:
-        raise ConfigError(f"data {spec}: no data files ({', '.join(DATA_SUFFIXES)}) in this folder")
-    if split is None and len(splits) == 1:
-        return splits[0]
-    if split is None:
-        raise ConfigError(f"data {spec}: the folder has splits {splits}; name one, e.g. {spec}@{splits[0]}")
-    if split not in splits:
-        raise ConfigError(f"data {spec}: no split {split!r}; the folder has {splits}")
-    return split
-
-
-def _read_file(path: Path) -> list[dict[str, Any]]:
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    if path.suffix == ".json":
-        return _read_json(path)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.suffix == ".arrow":
-        return _read_arrow(path)
-    raise ConfigError(
-        f"data file {path}: unsupported format {path.suffix!r}; use {', '.join(DATA_SUFFIXES)} or a folder"
-    )
-
-
-def _read_json(path: Path) -> list[dict[str, Any]]:
-    """A JSON list of row objects, or JSON lines saved as .json (as the hub's json loader allows)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    try:
-        loaded = json.loads(text)
-    except json.JSONDecodeError:
-        return [_json_or_bad(line) for line in text.splitlines() if line.strip()]
-    if isinstance(loaded, dict):
-        return [loaded]  # a single row: JSON lines with one line
-    if not isinstance(loaded, list):
-        raise ConfigError(f"data file {path}: a .json data file holds a list of row objects")
-    return [r if isinstance(r, dict) else {"__bad__": "row is not a JSON object"} for r in loaded]
-
-
-def _read_arrow(path: Path) -> list[dict[str, Any]]:
-    """An Arrow IPC file: the stream format `save_to_disk` writes, or the random-access file format."""
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        try:
-            return pa.ipc.open_stream(source).read_all().to_pylist()
-        except pa.ArrowInvalid:
-            source.seek(0)
-            return pa.ipc.open_file(source).read_all().to_pylist()
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One row per non-blank line; a leading byte-order mark (Windows editors) is dropped.
-
-    A line that is not UTF-8 becomes a bad row rather than being decoded with replacement
-    characters, which would train on silently garbled text."""
-    rows = []
-    for raw in path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines():
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            rows.append(
-                {"__bad__": f"line is not UTF-8 ({err.reason} at byte {err.start}); save the file as UTF-8"}
-            )
-            continue
-        if line.strip():
-            rows.append(_json_or_bad(line))
-    return rows
-
-
-def _json_or_bad(line: str) -> dict[str, Any]:
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as err:
-        return {"__bad__": f"invalid JSON: {err}"}
-    return value if isinstance(value, dict) else {"__bad__": "line is not a JSON object"}
-
-
 # Column defaults of each layout; a dotted key reaches into a struct column.
 FORMAT_KEYS: dict[str, tuple[str, str]] = {
     "easyr1": ("problem", "answer"),
@@ -294,10 +123,16 @@ FORMAT_KEYS: dict[str, tuple[str, str]] = {
 LIFTED_COLUMN = "extra_info"
 
 
-def detect_format(rows: list[tuple[dict[str, Any], Path]]) -> str:
+def columns_of(rows: Sequence[Row]) -> set[str]:
+    """Every column the rows have."""
+    if isinstance(rows, Rows):
+        return rows.columns()
+    return set().union(*(row.keys() for row, _ in rows if "__bad__" not in row))
+
+
+def detect_format(columns: set[str]) -> str:
     """`verl` if the rows have `prompt` and `reward_model` columns and no `problem`, else `easyr1`
     (also when neither fits, so skip reasons then name EasyR1's columns)."""
-    columns: set[str] = set().union(*(row.keys() for row, _ in rows))
     return "verl" if {"prompt", "reward_model"} <= columns and "problem" not in columns else "easyr1"
 
 
@@ -371,6 +206,17 @@ def with_pixels(
     return sample
 
 
+@dataclass
+class _Text:
+    """A row's parts that are read without decoding media; `messages` hold the media markers."""
+
+    text: str
+    answer: Any
+    images: list[Any]
+    videos: list[Any] | None
+    messages: list[dict[str, Any]]
+
+
 class PromptDataset:
     """Rows plus everything needed to turn one into a `PromptSample`.
 
@@ -381,7 +227,7 @@ class PromptDataset:
 
     def __init__(
         self,
-        rows: list[tuple[dict[str, Any], Path]],
+        rows: Sequence[Row],
         tokenizer: Any,
         image_processor: Any,
         *,
@@ -405,7 +251,7 @@ class PromptDataset:
         in messages, e.g. `data.train_files (train.jsonl)`."""
         if data_format not in ("auto", *FORMAT_KEYS):
             raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
-        self.format = detect_format(rows) if data_format == "auto" else data_format
+        self.format = detect_format(columns_of(rows)) if data_format == "auto" else data_format
         default_prompt, default_answer = FORMAT_KEYS[self.format]
         self.rows = rows
         self.origin = origin
@@ -418,9 +264,13 @@ class PromptDataset:
         self.video_placeholder = video_placeholder
         self.image_dir = image_dir
         self.system_prompt = system_prompt
+        self.template_source = format_prompt
         self.template = Template(format_prompt) if format_prompt else None
         self.bad_rows: dict[int, str] = {}  # row index -> skip reason; each bad row counts once
         self.huge_rows: dict[int, int] = {}  # row index -> its images past PIL's decompression-bomb size
+        self.stream: RowStream | None = None  # set for a streamed training set (`from_config`)
+        self.checked: dict[int, tuple[str, str]] = {}  # row index -> (reason, detail), by `check_rows`
+        self.media_count: int | None = None  # rows naming images or videos, known once checked
 
     @classmethod
     def from_config(
@@ -436,9 +286,11 @@ class PromptDataset:
         key: str = "train_files",
     ) -> PromptDataset:
         """The dataset of `files`, data.`key` (train_files or val_files), read and keyed as the `data`
-        config section says."""
-        return cls(
-            read_rows(files),
+        config section says. Memory-mapped rows are checked (`check_rows`); a streamed training set
+        (`data.streaming`) keeps its `stream` and holds only its first rows, read for the layout."""
+        stream = RowStream(files) if cfg.streaming and key == "train_files" else None
+        dataset = cls(
+            read_rows(files) if stream is None else stream.head(STREAM_HEAD),
             tokenizer,
             image_processor,
             budget=budget,
@@ -456,15 +308,73 @@ class PromptDataset:
             video_processor=video_processor,
             video_placeholder=video_placeholder,
         )
+        dataset.stream = stream
+        if stream is None:
+            dataset.check_rows()
+        return dataset
+
+    def check_rows(self) -> None:
+        """Make every check that decodes no media (`_text`) once for all memory-mapped rows, with
+        `datasets`' `map` (in several processes for large sets), and cache the results in `datasets`'
+        cache, keyed on the rows' content and on every setting the checks read: the next run on the
+        same files starts without redoing them. A row that fails is still skipped and counted when
+        its turn comes, as without this pass; a set with no row left is refused before training."""
+        if not isinstance(self.rows, Rows):
+            return
+        checker = copy.copy(self)
+        checker.rows = []  # the worker processes need the settings, not the rows
+        settings = self._settings_key()
+        self.media_count = 0
+        media = [key for key in (self.keys[2], self.video_key) if key in self.rows.columns()]
+        for part, start in zip(self.rows.parts, self.rows.starts, strict=False):
+            if not len(part):
+                continue
+            key = hashlib.sha256(f"{settings}-{part.key}".encode()).hexdigest()[:16]
+            done = part.arrow.map(
+                _check_batch,
+                batched=True,
+                fn_kwargs={"dataset": checker, "as_json": part.as_json, "media": media},
+                remove_columns=part.table.column_names,
+                new_fingerprint=key,
+                cache_file_name=os.path.join(cache_dir(), "mmrl_checks", f"{key}.arrow"),
+                num_proc=_check_processes(len(part)),
+                desc=f"checking {self.origin}",
+            ).with_format(None)
+            self.media_count += sum(done["media"])
+            for i, (reason, detail) in enumerate(zip(done["skip"], done["detail"], strict=True)):
+                if reason:
+                    self.checked[start + i] = (reason, detail)
+
+    def _settings_key(self) -> str:
+        """Everything `_text` reads besides the row: columns, template, length limit, tokenizer."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+        fields = (
+            CHECKS_VERSION,
+            self.format,
+            self.keys,
+            self.video_key,
+            self.max_prompt_length,
+            self.system_prompt,
+            self.template_source,
+            self.budget is None,
+            getattr(tok, "chat_template", None),
+            hashlib.sha256(vocab.encode()).hexdigest(),
+        )
+        return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()
 
     def media_rows(self) -> int:
         """How many rows name images or videos (a text-only model can use none of them)."""
+        if self.media_count is None:
+            self.media_count = sum(self.has_media(row) for row, _ in self.rows)
+        return self.media_count
+
+    def has_media(self, row: dict[str, Any]) -> bool:
+        """Whether the row names images or videos."""
         _, _, image_key = self.keys
-        return sum(
-            1
-            for row, _ in self.rows
-            if "__bad__" not in row
-            and not (_is_empty(lookup(row, image_key)) and _is_empty(lookup(row, self.video_key)))
+        return "__bad__" not in row and not (
+            _is_empty(lookup(row, image_key)) and _is_empty(lookup(row, self.video_key))
         )
 
     @property
@@ -482,16 +392,17 @@ class PromptDataset:
         columns to name when the rows look like another layout."""
         if not self.rows:
             return NoUsableRows(f"{self.origin} is empty: it holds no rows; point it at a file with data")
-        counts = ", ".join(f"{reason} {n}" for reason, n in self.skipped.most_common())
+        bad = {i: reason for i, (reason, _) in self.checked.items()} | self.bad_rows
+        counts = ", ".join(f"{reason} {n}" for reason, n in Counter(bad.values()).most_common())
         return NoUsableRows(
-            f"{self.origin}: no usable row; all {len(self.bad_rows)} rows read were skipped ({counts})"
+            f"{self.origin}: no usable row; all {len(bad)} rows read were skipped ({counts})"
             f"{self._layout_hint()}"
         )
 
     def _layout_hint(self) -> str:
         """When no row has the prompt or answer column (or, with `<image>` markers left unmatched, the
         image column) the config names, the columns the rows do have and the keys that pick them."""
-        columns = sorted(set().union(*(row.keys() for row, _ in self.rows if "__bad__" not in row)))
+        columns = sorted(columns_of(self.rows))
         names = ("data.prompt_key", "data.answer_key", "data.image_key")
         absent = [
             (name, key)
@@ -509,13 +420,17 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def prepare(self, index: int) -> PromptSample | None:
-        """The sample for row `index`, or None if unusable: recorded once, and logged for the
-        first row of each reason; a known-bad row is not read again."""
+    def prepare(self, index: int, streamed: Row | None = None) -> PromptSample | None:
+        """The sample for row `index` (`streamed`: the row itself, read from `stream`), or None if
+        unusable: recorded once, and logged for the first row of each reason; a known-bad row is not
+        read again."""
         if index in self.bad_rows:
             return None
         try:
-            return self._prepare(index)
+            if index in self.checked:
+                raise SkipRow(*self.checked[index])
+            row, folder = self.rows[index] if streamed is None else streamed
+            return self._prepare(index, row, folder)
         except SkipRow as skip:
             if skip.reason not in self.bad_rows.values():
                 log.warning(
@@ -527,8 +442,10 @@ class PromptDataset:
             self.bad_rows[index] = skip.reason
             return None
 
-    def _prepare(self, index: int) -> PromptSample:
-        row, folder = self.rows[index]
+    def _text(self, row: dict[str, Any]) -> _Text:
+        """The row's text, answer and media sources, after every check that decodes no media: the
+        same checks `check_rows` makes once for all rows, so a row is skipped for the same reason
+        whether it was checked ahead or is read lazily."""
         if "__bad__" in row:
             raise SkipRow("bad_row", row["__bad__"])
         _, answer_key, image_key = self.keys
@@ -539,41 +456,56 @@ class PromptDataset:
         sources = lookup(row, image_key) or []
         if not isinstance(sources, list):
             sources = [sources]
-        base = Path(self.image_dir) if self.image_dir else folder
         if sources and self.budget is None:
             raise SkipRow(
                 "bad_image", "this dataset was built without an image processor (a text-only model)"
             )
-        try:
-            images = [load_image(src, base_dir=base) for src in sources]
-            self._note_huge(index, images)
-            fitted = [fit_image(image, self.budget) for image in images]
-        except ImageError as err:
-            raise SkipRow("bad_image", str(err)) from None
-        videos = self._videos(row, base)
+        videos = self._video_sources(row)
         if self.template is not None:
             text = self.template.render(content=text)
         try:  # rows without a video column keep a literal "<video>" as text
             messages = build_messages(
-                text, len(fitted), system, num_videos=None if videos is None else len(videos)
+                text, len(sources), system, num_videos=None if videos is None else len(videos)
             )
         except ValueError as err:
             raise SkipRow("image_marker_mismatch", str(err)) from None
-        counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
-        video_counts = [self.video_placeholder(v, self.video_budget) for v in videos or []]
+        prompt = _Text(text, answer, sources, videos, messages)
+        # Each image and video takes at least one token: a prompt too long with that is too long.
+        self._encode(prompt, [1] * len(sources), [1] * len(videos or []), least=True)
+        return prompt
+
+    def _encode(
+        self, prompt: _Text, counts: list[int], video_counts: list[int | str], least: bool
+    ) -> list[int]:
+        """The prompt's token ids with `counts` placeholder tokens per image and video (`least`: lower
+        bounds, which only tell a prompt that is too long whatever its media's sizes)."""
         try:
-            ids = encode_prompt(self.tokenizer, messages, counts, video_counts)
+            ids = encode_prompt(self.tokenizer, prompt.messages, counts, video_counts)
         except ValueError as err:  # e.g. a literal image-pad token typed into the question
             raise SkipRow("image_marker_mismatch", str(err)) from None
         if len(ids) > self.max_prompt_length:
-            raise SkipRow(
-                "prompt_too_long", f"{len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}"
-            )
+            tokens = f"{'at least ' if least else ''}{len(ids)} tokens"
+            raise SkipRow("prompt_too_long", f"{tokens} > data.max_prompt_length={self.max_prompt_length}")
+        return ids
+
+    def _prepare(self, index: int, row: dict[str, Any], folder: Path) -> PromptSample:
+        prompt = self._text(row)
+        sources = prompt.images
+        base = Path(self.image_dir) if self.image_dir else folder
+        try:
+            images = [load_image(src, base_dir=base) for src in sources]
+            self._note_huge(index, images)
+            fitted = [fit_image(image, self.budget, src) for image, src in zip(images, sources, strict=True)]
+        except ImageError as err:
+            raise SkipRow("bad_image", str(err)) from None
+        videos = self._videos(prompt.videos, base)
+        counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
+        video_counts = [self.video_placeholder(v, self.video_budget) for v in videos or []]
         sample = PromptSample(
             row_id=index,
-            prompt_ids=ids,
-            prompt_text=text,
-            ground_truth=answer,
+            prompt_ids=self._encode(prompt, counts, video_counts, least=False),
+            prompt_text=prompt.text,
+            ground_truth=prompt.answer,
             images=fitted,
             image_sizes=[
                 ImageSize(original=o.size, model_input=f.size) for o, f in zip(images, fitted, strict=True)
@@ -602,17 +534,21 @@ class PromptDataset:
             )
         self.huge_rows[index] = len(huge)
 
-    def _videos(self, row: dict[str, Any], base: Path) -> list[Video] | None:
-        """The row's videos decoded, sampled and sized (None: the row has no video column)."""
+    def _video_sources(self, row: dict[str, Any]) -> list[Any] | None:
+        """The row's videos as stored (None: the row has no video column)."""
         sources = lookup(row, self.video_key)
-        if sources is None:
-            return None
-        if isinstance(sources, list) and not sources:
-            return []
+        if sources is None or (isinstance(sources, list) and not sources):
+            return sources
+        if not isinstance(sources, list) or not isinstance(sources[0], (str, bytes, dict)):
+            sources = [sources]  # one video: a path, bytes, or a list of frames
+        return sources
+
+    def _videos(self, sources: list[Any] | None, base: Path) -> list[Video] | None:
+        """The videos decoded, sampled and sized."""
+        if not sources:
+            return sources
         if self.video_budget is None or self.video_processor is None:
             raise SkipRow("bad_video", "this dataset was built without a video budget and processor")
-        if not isinstance(sources, list) or (sources and not isinstance(sources[0], (str, bytes, dict))):
-            sources = [sources]  # one video: a path, bytes, or a list of frames
         try:
             return [read_video(src, self.video_budget, base_dir=base) for src in sources]
         except VideoError as err:
@@ -644,6 +580,53 @@ class PromptDataset:
         return PreparedRows([s for s in (self.prepare(i) for i in indices) if s is not None], self.skipped)
 
 
+def _check_batch(batch: Any, dataset: PromptDataset, as_json: bool, media: list[str]) -> dict[str, list[Any]]:
+    """`check_rows`' work on a batch of rows (an Arrow table): each row's skip reason and detail
+    (empty when it passes) and whether it names media."""
+    rows = map(json_row, batch["line"].to_pylist()) if as_json else _media_counted(batch, media)
+    out: dict[str, list[Any]] = {"skip": [], "detail": [], "media": []}
+    for row in rows:
+        try:
+            dataset._text(row)
+            reason, detail = "", ""
+        except SkipRow as skip:
+            reason, detail = skip.reason, str(skip)
+        out["skip"].append(reason)
+        out["detail"].append(detail)
+        out["media"].append(dataset.has_media(row))
+    return out
+
+
+def _media_counted(batch: Any, media: list[str]) -> list[dict[str, Any]]:
+    """The rows of an Arrow batch with each media column's values replaced by stand-ins of the same
+    count, read from the list offsets alone: the checks count media but never read them, and this
+    way not a byte of an embedded image is paged in (the pass would otherwise touch the whole file)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    stand_ins: dict[str, list[Any]] = {}
+    for name in media:
+        column = batch[name]
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            # A list of lists is one video given as frames (`_video_sources`): keep that shape.
+            one = [] if pa.types.is_list(column.type.value_type) else "x"
+            lengths = pc.list_value_length(column).to_pylist()
+            stand_ins[name] = [None if n is None else [one] * n for n in lengths]
+        else:
+            stand_ins[name] = ["x" if valid else None for valid in column.is_valid().to_pylist()]
+        batch = batch.drop_columns([name])
+    rows = batch.to_pylist()
+    for name, values in stand_ins.items():
+        for row, value in zip(rows, values, strict=True):
+            row[name] = value
+    return rows
+
+
+def _check_processes(rows: int) -> int | None:
+    processes = min(os.cpu_count() or 1, rows // ROWS_PER_CHECK_PROCESS)
+    return processes if processes > 1 else None
+
+
 class PromptLoader:
     """Endless, seeded, resumable batches: epoch e visits rows in permutation(seed, e).
 
@@ -652,7 +635,7 @@ class PromptLoader:
     """
 
     def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True) -> None:
-        if len(dataset) == 0:
+        if len(dataset) == len(dataset.checked):  # empty, or every row failed `check_rows`
             raise dataset.unusable()
         self.dataset = dataset
         self.batch_size = batch_size
@@ -686,3 +669,78 @@ class PromptLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class StreamLoader:
+    """`PromptLoader` over a `RowStream`: endless, seeded, resumable batches of rows read in order and
+    shuffled through a buffer of `buffer_size` rows drawn with rng(seed, epoch).
+
+    The cursor (epoch, rows taken this epoch) is all the state there is: a resumed run replays the epoch
+    up to it (reading rows, not decoding their media) and so sees exactly the rows an uninterrupted one
+    would. `datasets`' own stream state does not restore a shuffle buffer, hence this one."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        buffer_size: int = 10_000,
+    ) -> None:
+        if dataset.stream is None or not dataset.rows:
+            raise dataset.unusable()
+        self.dataset, self.stream = dataset, dataset.stream
+        self.batch_size, self.seed, self.shuffle, self.buffer_size = batch_size, seed, shuffle, buffer_size
+        self.epoch = 0
+        self.position = 0
+        self._rows = self._epoch_rows()
+
+    def _epoch_rows(self) -> Iterator[tuple[int, Row]]:
+        """This epoch's rows with their place in the stream (the key their skips are counted by)."""
+        rows = enumerate(self.stream)
+        if not self.shuffle:
+            yield from rows
+            return
+        rng = np.random.default_rng([self.seed, self.epoch])
+        buffer: list[tuple[int, Row]] = []
+        for item in rows:
+            if len(buffer) < self.buffer_size:
+                buffer.append(item)
+                continue
+            pick = int(rng.integers(len(buffer)))
+            yield buffer[pick]
+            buffer[pick] = item
+        rng.shuffle(buffer)  # type: ignore[arg-type]
+        yield from buffer
+
+    def next_batch(self) -> list[PromptSample]:
+        batch: list[PromptSample] = []
+        usable_this_epoch = self.position > 0
+        while len(batch) < self.batch_size:
+            item = next(self._rows, None)
+            if item is None:
+                if not usable_this_epoch and not batch:
+                    raise self.dataset.unusable()  # a whole epoch and not one usable row
+                self.epoch, self.position, usable_this_epoch = self.epoch + 1, 0, False
+                self._rows = self._epoch_rows()
+                continue
+            self.position += 1
+            sample = self.dataset.prepare(*item)
+            if sample is not None:
+                batch.append(sample)
+                usable_this_epoch = True
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._rows = itertools.islice(self._epoch_rows(), self.position, None)
+
+
+def make_loader(dataset: PromptDataset, cfg: DataConfig, seed: int) -> PromptLoader | StreamLoader:
+    """The training loader: `StreamLoader` for a streamed set (`data.streaming`), else `PromptLoader`."""
+    if dataset.stream is not None:
+        return StreamLoader(dataset, cfg.train_batch_size, seed, cfg.shuffle, cfg.shuffle_buffer)
+    return PromptLoader(dataset, cfg.train_batch_size, seed, cfg.shuffle)

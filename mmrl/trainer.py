@@ -39,7 +39,7 @@ from mmrl.algorithms import (
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError
 from mmrl.critic import Critic, ValueModel
-from mmrl.data import PreparedRows, PromptDataset, PromptLoader, image_budget
+from mmrl.data import PreparedRows, PromptDataset, image_budget, make_loader
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
@@ -325,9 +325,7 @@ class Trainer:
         """Prompt rows, their loader, and the reward functions that grade the answers."""
         cfg = self.cfg
         self.train_set, self.val_samples = build_datasets(cfg, self.processor, model_config)
-        self.loader = PromptLoader(
-            self.train_set, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
-        )
+        self.loader = make_loader(self.train_set, cfg.data, cfg.trainer.seed)
         self.rewards = RewardManager(
             [f.model_dump() for f in cfg.reward.functions],
             timeout_s=cfg.reward.timeout_s,
@@ -745,6 +743,7 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
             patch_size=grid.patch,
             merge_size=grid.merge,
             temporal_patch_size=grid.temporal,
+            rule=family.video_size_rule,
         )
     except ValueError as err:
         raise ConfigError(f"data.video_*: {err}") from None

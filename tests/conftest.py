@@ -17,6 +17,8 @@ from pathlib import Path
 #   ATen's bfloat16 matmuls on such CPUs (they demand AVX-512), so CPU tests compute in float32.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No hub is reachable from the tests: hub ids resolve from local caches at once instead of retrying.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if platform.machine() in ("x86_64", "AMD64"):
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("MKL_CBWR", "AVX2")

@@ -54,7 +54,7 @@ def test_data_synth_writes_a_dataset_the_loader_accepts(tmp_path, capsys, tiny_m
 
     processor = load_processor(tiny_model_dir)
     dataset = PromptDataset(
-        train + val,
+        read_rows([str(out / "train.jsonl"), str(out / "val.jsonl")]),
         processor.tokenizer,
         processor.image_processor,
         budget=PixelBudget(56 * 56, 56 * 56),

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrl.config import ConfigError
-from mmrl.data import PromptDataset, PromptLoader, read_rows
+from mmrl.config import ConfigError, DataConfig
+from mmrl.data import PromptDataset, PromptLoader, StreamLoader, make_loader, read_rows
 from mmrl.models import load_processor
 from processors import PixelBudget, num_image_tokens
 
@@ -308,3 +308,84 @@ def test_prompt_length_limit_is_inclusive(corpus, processor) -> None:
     assert at_limit.prepare(good[0]) is not None
     assert below.prepare(good[0]) is None
     assert below.skipped == Counter(prompt_too_long=1)
+
+
+def test_checks_made_ahead_skip_the_same_rows_and_are_cached(
+    corpus, processor, tmp_path, monkeypatch
+) -> None:
+    """`check_rows` finds every media-free defect once, for the same reason the lazy path gives; a second
+    dataset over the same file and settings reads its cached results; a changed setting or file checks anew."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path, expected, good = corpus
+    dataset = _dataset(path, processor)
+    dataset.check_rows()
+    checked = {i: reason for i, (reason, _) in dataset.checked.items()}
+    assert checked == {i: reason for i, reason in expected.items() if reason != "bad_image"}  # images: lazily
+    assert dataset.media_rows() == len(dataset) - 3  # all but the text-only row and the two bad_row lines
+    assert [dataset.prepare(i) is not None for i in range(len(dataset))] == [
+        i in good for i in range(len(dataset))
+    ]
+    assert dataset.skipped == Counter(expected.values())
+
+    def no_check(*_: Any) -> None:
+        raise AssertionError("a row was checked again")
+
+    monkeypatch.setattr(PromptDataset, "_text", no_check)
+    again = _dataset(path, processor)
+    again.check_rows()  # from the cache: no row is checked
+    assert again.checked == dataset.checked and again.media_rows() == dataset.media_rows()
+    stricter = _dataset(path, processor)
+    stricter.max_prompt_length = 32
+    with pytest.raises(AssertionError, match="checked again"):
+        stricter.check_rows()
+    with path.open("a") as lines:
+        lines.write(json.dumps({"problem": "One more?", "answer": "yes"}) + "\n")
+    with pytest.raises(AssertionError, match="checked again"):
+        _dataset(path, processor).check_rows()
+
+
+def test_a_training_set_that_fails_its_checks_is_refused_before_the_first_batch(tmp_path, processor) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"problem": "x"}\n{"answer": "y"}\nnot json\n')
+    dataset = _dataset(path, processor)
+    dataset.check_rows()
+    with pytest.raises(
+        ConfigError, match=r"all 3 rows read were skipped \(missing_answer 1, missing_prompt 1"
+    ):
+        PromptLoader(dataset, batch_size=2, seed=0)
+
+
+def _streamed(path: Path, processor: Any, buffer: int) -> StreamLoader:
+    cfg = DataConfig(
+        train_files=[str(path)], streaming=True, shuffle_buffer=buffer, max_prompt_length=MAX_PROMPT
+    )
+    dataset = PromptDataset.from_config(
+        cfg.train_files, cfg, processor.tokenizer, processor.image_processor, BUDGET
+    )
+    return make_loader(dataset, cfg.model_copy(update={"train_batch_size": 4}), seed=11)
+
+
+@pytest.mark.parametrize("stop_after", [2, 4])
+def test_streamed_rows_are_shuffled_through_a_buffer_and_resume_exactly(
+    corpus, processor, tmp_path, monkeypatch, stop_after: int
+) -> None:
+    """`data.streaming`: rows read in place through a seeded buffer smaller than the data; a loader
+    restored from a saved cursor gives the uninterrupted run's batches, across an epoch's end."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache := tmp_path / "cache"))
+    path, expected, good = corpus
+    reference = _streamed(path, processor, buffer=5)
+    first = [row for batch in _run(reference, 2) for row in batch]  # 8 of the 10 good rows
+    assert sorted(first) != first, "shuffled"
+    assert set(first) < set(good)
+    _run(reference, stop_after - 2)
+    state = reference.state_dict()
+    torch.save(state, tmp_path / "loader.pt")
+    expected_batches = _run(reference, 5)  # across the end of an epoch
+    assert reference.epoch >= 1
+
+    resumed = _streamed(path, processor, buffer=5)
+    resumed.load_state_dict(torch.load(tmp_path / "loader.pt"))
+    assert _run(resumed, 5) == expected_batches
+    assert resumed.state_dict() == reference.state_dict()
+    assert reference.dataset.skipped == Counter(expected.values())  # each bad row counted once, lazily
+    assert not list(cache.rglob("*.arrow")), "a stream is read in place, never converted"

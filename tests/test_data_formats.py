@@ -16,8 +16,9 @@ from PIL import Image
 
 from mmrl.cli import main
 from mmrl.config import ConfigError, DataConfig
-from mmrl.data import PromptDataset, read_rows, resolve_data
+from mmrl.data import PromptDataset
 from mmrl.models import load_processor
+from mmrl.rows import read_rows, resolve_data
 from processors import PixelBudget
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)  # every image becomes 4 image tokens
@@ -320,17 +321,52 @@ def test_folder_of_split_files(tmp_path: Path) -> None:
 
 def test_hub_name_is_read_from_the_local_cache_or_explained(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     with pytest.raises(
-        FileNotFoundError, match="huggingface-cli download --repo-type dataset hiyouga/geometry3k"
+        FileNotFoundError, match=r"could not load 'hiyouga/geometry3k'.*huggingface-cli download"
     ):
-        read_rows(["hiyouga/geometry3k@train"])
+        read_rows(["hiyouga/geometry3k@train"])  # the suite runs with HF_HUB_OFFLINE=1 (conftest)
     repo = tmp_path / "hub" / "datasets--hiyouga--geometry3k"
     _write_hub_folder(repo / "snapshots" / "abc123")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
-    base, files = resolve_data("hiyouga/geometry3k@test")
-    assert base == repo / "snapshots" / "abc123"
-    assert files == [base / "data" / "test-00000-of-00001.parquet"]
+    source = resolve_data("hiyouga/geometry3k@test")
+    assert source.base == repo / "snapshots" / "abc123"
+    assert source.files == [source.base / "data" / "test-00000-of-00001.parquet"]
+
+
+def _cache_as_datasets_would(cache: Path, hub_id: str, files: dict[str, list[str]]) -> None:
+    """What `datasets.load_dataset(hub_id)` leaves in its cache after a download: the prepared Arrow
+    splits under OWNER___NAME/CONFIG/VERSION/REVISION. Built here from local parquet files (no hub)."""
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    name = hub_id.split("/")[1]
+    builder = Parquet(cache_dir=str(cache / "_build"), dataset_name=name, hash="0a1b2c", data_files=files)
+    builder.download_and_prepare()
+    (prepared,) = (cache / "_build").glob(f"{name}/*/*/0a1b2c")
+    target = cache / hub_id.replace("/", "___") / "default" / "0.0.0" / "0a1b2c"
+    target.parent.mkdir(parents=True)
+    prepared.rename(target)
+
+
+def test_hub_id_is_resolved_offline_from_the_datasets_cache(
+    tmp_path: Path, monkeypatch, processor: Any
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # no snapshot there
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache := tmp_path / "datasets"))
+    root = _write_hub_folder(tmp_path / "download")
+    data = {split: [str(root / "data" / f"{split}-00000-of-00001.parquet")] for split in ("train", "test")}
+    _cache_as_datasets_would(cache, "hiyouga/geometry3k", data)
+    (root / "img" / "b.png").unlink()  # only the cache is read: the one image stored as a path is gone
+
+    rows = read_rows(["hiyouga/geometry3k@train"])
+    assert [row["answer"] for row, _ in rows] == ["3", "25\\pi", "2\\sqrt{13}"]
+    assert isinstance(rows[0][0]["images"][0]["bytes"], bytes)  # embedded images stay undecoded
+    dataset = _dataset(rows, processor)
+    assert len(dataset.prepare_all()) == 2 and dict(dataset.skipped) == {"bad_image": 1}
+    assert len(read_rows(["hiyouga/geometry3k@test"])) == 1
+    with pytest.raises(ConfigError, match=r"no split 'val'; the folder has \['test', 'train'\]"):
+        read_rows(["hiyouga/geometry3k@val"])
 
 
 def test_from_config_uses_the_data_section(tmp_path: Path, processor: Any) -> None:
@@ -356,3 +392,34 @@ def test_train_rejects_an_unknown_split_before_loading_anything(
     err = " ".join(capsys.readouterr().err.split())
     assert "data.train_files" in err and "no split 'validation'" in err and "test" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["image lists", "one image per row"])
+def test_checks_ahead_count_embedded_images_without_reading_them(
+    tmp_path: Path, processor: Any, monkeypatch, single: bool
+) -> None:
+    """`check_rows` over a parquet of embedded images finds the marker mismatches and media rows the
+    lazy path finds, with the image bytes replaced by stand-ins (corrupt bytes would not be noticed)."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    broken = {"bytes": b"not a png", "path": None}
+    good = {"bytes": _png(), "path": None}
+    rows = [
+        {"problem": "<image> and <image>?", "answer": "a", "images": good},  # two markers, one image
+        {"problem": "<image>Which colour?", "answer": "a", "images": broken},  # found only lazily
+        {"problem": "<image>Which colour?", "answer": "a", "images": good},
+        {"problem": "How many sides has a square?", "answer": "4", "images": None},
+    ]
+    schema = EASYR1_SCHEMA
+    if single:
+        schema = pa.schema([("images", IMAGE), ("problem", pa.string()), ("answer", pa.string())])
+    else:
+        rows = [{**row, "images": None if row["images"] is None else [row["images"]]} for row in rows]
+    pq.write_table(pa.Table.from_pylist(rows, schema), path := tmp_path / "train.parquet")
+
+    ahead = _dataset(read_rows([str(path)]), processor)
+    ahead.check_rows()
+    assert {i: reason for i, (reason, _) in ahead.checked.items()} == {0: "image_marker_mismatch"}
+    assert ahead.media_rows() == 3
+    lazy = _dataset(read_rows([str(path)]), processor)
+    assert [lazy.prepare(i) is not None for i in range(4)] == [ahead.prepare(i) is not None for i in range(4)]
+    assert lazy.bad_rows == ahead.bad_rows == {0: "image_marker_mismatch", 1: "bad_image"}
