@@ -33,6 +33,7 @@ from mmrl.optim import (
     per_minibatch,
     plan_minibatches,
 )
+from mmrl.packing import pack, unpack
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad, vision_inputs
 from processors import TRANSFORMERS_RULE
@@ -41,7 +42,11 @@ SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` loo
 
 
 def response_hidden(
-    model: Any, batch: Batch, pad_id: int, router_losses: list[torch.Tensor] | None = None
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Last hidden states (B, T, H) at the positions that predict each response token.
 
@@ -53,7 +58,9 @@ def response_hidden(
     must be of the tokens at the positions they were sampled at, or the PPO ratio compares two
     different inputs. transformers and vLLM place the text after a long video differently
     (`processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`.
-    `router_losses` collects a mixture-of-experts model's load-balancing loss (`Family.hidden_states`)."""
+    `router_losses` collects a mixture-of-experts model's load-balancing loss (`Family.hidden_states`).
+    `padding_free` runs the rows packed into one sequence without pad tokens (`mmrl.packing`): the same
+    states, with no compute spent on padding."""
     device = next(model.parameters()).device
     family = family_of(model)
     rows = batch["prompt_index"].tolist()
@@ -72,6 +79,12 @@ def response_hidden(
         )
         if encoded is not None
     }
+    if padding_free:
+        packed = pack(input_ids, attention, positions, prompt_ids.shape[1])
+        hidden = family.hidden_states(
+            model, packed.input_ids.to(device), None, packed.positions.to(device), media, router_losses
+        )
+        return unpack(hidden, packed)
     hidden = family.hidden_states(
         model, input_ids.to(device), attention.to(device), positions.to(device), media, router_losses
     )
@@ -80,7 +93,11 @@ def response_hidden(
 
 
 def response_logits(
-    model: Any, batch: Batch, pad_id: int, router_losses: list[torch.Tensor] | None = None
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """LM-head logits (B, T, V) at the response positions.
 
@@ -89,8 +106,8 @@ def response_logits(
     reduced after it, as for `forward` itself."""
     sharded = getattr(model, SHARDED_LOGITS, None)
     if sharded is not None:
-        return sharded(batch, pad_id, router_losses)
-    return model.lm_head(response_hidden(model, batch, pad_id, router_losses))
+        return sharded(batch, pad_id, router_losses, padding_free)
+    return model.lm_head(response_hidden(model, batch, pad_id, router_losses, padding_free))
 
 
 def forward_logprobs(
@@ -101,6 +118,7 @@ def forward_logprobs(
     with_entropy: bool | Literal["grad"] = False,
     compute_dtype: torch.dtype = torch.float32,
     router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
 
@@ -108,7 +126,7 @@ def forward_logprobs(
     softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
     `with_entropy="grad"`."""
     with autocast_for(model, compute_dtype):
-        logits = response_logits(model, batch, pad_id, router_losses).float() / temperature
+        logits = response_logits(model, batch, pad_id, router_losses, padding_free).float() / temperature
         logits = block_tokens(logits, never_generated_ids(model.config))
     logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
     entropy = None
@@ -188,7 +206,12 @@ class Actor:
             batch,
             self.cfg.micro_batch_size,
             lambda micro: forward_logprobs(
-                model, micro, self.pad_id, self.temperature, compute_dtype=self.compute_dtype
+                model,
+                micro,
+                self.pad_id,
+                self.temperature,
+                compute_dtype=self.compute_dtype,
+                padding_free=self.cfg.padding_free,
             )[0],
         )
 
@@ -217,6 +240,7 @@ class Actor:
             with_entropy="grad" if cfg.entropy_coef else True,
             compute_dtype=self.compute_dtype,
             router_losses=router_losses,
+            padding_free=cfg.padding_free,
         )
         device = logp.device
         mask = micro["response_mask"].to(device).float()
@@ -270,6 +294,11 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
         raise ConfigError(
             f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef}: {family.name} models have no "
             "experts to balance; set it to 0"
+        )
+    if cfg.actor.padding_free and not family.packs_sequences:
+        raise ConfigError(
+            f"actor.padding_free: {family.name} models have recurrent (Gated DeltaNet) layers that would "
+            "carry their state from one packed sequence into the next; set it to false"
         )
     return Actor(
         model,

@@ -232,6 +232,11 @@ class ActorConfig(_OptimSection):
     ppo_epochs: int = Field(1, gt=0)
     mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward pass")
+    padding_free: bool = Field(
+        False,
+        description="Actor, reference and critic forwards run each micro-batch's sequences packed into "
+        "one, without padding (no compute on pad tokens when response lengths vary); same log-probs",
+    )
     policy_loss: str = "ppo_clip"
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.28, ge=0)

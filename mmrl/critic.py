@@ -48,10 +48,16 @@ class ValueModel(nn.Module):
         return cls(load_policy(path, torch.float32, device))
 
 
-def forward_values(model: ValueModel, batch: Batch, pad_id: int, compute_dtype: torch.dtype) -> torch.Tensor:
+def forward_values(
+    model: ValueModel,
+    batch: Batch,
+    pad_id: int,
+    compute_dtype: torch.dtype,
+    padding_free: bool = False,
+) -> torch.Tensor:
     """V (B, T) of every response position, float32."""
     with autocast_for(model, compute_dtype):
-        hidden = response_hidden(model, batch, pad_id)
+        hidden = response_hidden(model, batch, pad_id, padding_free=padding_free)
         return model.value_head(hidden).squeeze(-1).float()
 
 
@@ -67,6 +73,7 @@ class Critic:
         total_updates: int,
         micro_batch_size: int,
         compute_dtype: torch.dtype = torch.float32,
+        padding_free: bool = False,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -74,6 +81,7 @@ class Critic:
         self.response_len = response_len
         self.micro_batch_size = micro_batch_size
         self.compute_dtype = compute_dtype
+        self.padding_free = padding_free  # actor.padding_free: the critic's forward runs as the actor's
         self.optimizer, self.scheduler = make_optimizer(
             [p for p in model.parameters() if p.requires_grad], cfg, total_updates
         )
@@ -84,7 +92,9 @@ class Critic:
             self.model,
             batch,
             self.micro_batch_size,
-            lambda micro: forward_values(self.model, micro, self.pad_id, self.compute_dtype),
+            lambda micro: forward_values(
+                self.model, micro, self.pad_id, self.compute_dtype, self.padding_free
+            ),
         )
         return values * batch["response_mask"]
 
@@ -117,7 +127,7 @@ class Critic:
         apply_settings(self.optimizer, self.scheduler, self.cfg)
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
-        values = forward_values(self.model, micro, self.pad_id, self.compute_dtype)
+        values = forward_values(self.model, micro, self.pad_id, self.compute_dtype, self.padding_free)
         device = values.device
         loss, metrics = clipped_value_loss(
             values,

@@ -633,6 +633,7 @@ class Trainer:
             total_updates=optimizer_steps(cfg, cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
             micro_batch_size=cfg.actor.micro_batch_size,
             compute_dtype=self.compute_dtype,
+            padding_free=cfg.actor.padding_free,
         )
 
     def _update_critic(self, batch: Batch) -> dict[str, Any]:

@@ -86,6 +86,9 @@ class Family:
     takes_images: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
     mixture_of_experts: ClassVar[bool] = False
+    # Packed rows (`actor.padding_free`) stay apart only where every layer reads sequence boundaries
+    # from the text positions, as attention does; a recurrent layer's state would run on across them.
+    packs_sequences: ClassVar[bool] = True
     # Qwen2.5-VL spaces a video's time ids by real seconds (`second_per_grid_ts`); the other families
     # number temporal patches (Qwen2-VL) or tell time in text (Qwen3's timestamps), and their forward
     # refuses the argument.

@@ -89,6 +89,10 @@ class Qwen3_5(Qwen3_VL):
     model_types = ("qwen3_5",)
     model_class = "Qwen3_5ForConditionalGeneration"
     saved_prefixes: ClassVar[dict[str, str]] = {}  # save_pretrained writes the in-memory names
+    # transformers 5.19's PyTorch DeltaNet kernels (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`)
+    # ignore sequence boundaries: packed, a row's recurrent state and convolution would start from
+    # the previous row's (tests/test_packing.py measures the gap).
+    packs_sequences = False
 
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Qwen3_5Config:

@@ -82,7 +82,7 @@ class TextLM(Family):
         self,
         model: Any,
         input_ids: torch.Tensor,
-        attention: torch.Tensor,
+        attention: torch.Tensor | None,
         positions: torch.Tensor,
         media: dict[str, Any],
         router_losses: list[torch.Tensor] | None = None,

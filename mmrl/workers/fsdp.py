@@ -67,8 +67,10 @@ def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
     return model
 
 
-def _response_logits(model: Any, batch: Any, pad_id: int, router_losses: list | None = None) -> torch.Tensor:
-    return model.lm_head(response_hidden(model, batch, pad_id, router_losses))
+def _response_logits(
+    model: Any, batch: Any, pad_id: int, router_losses: list | None = None, padding_free: bool = False
+) -> torch.Tensor:
+    return model.lm_head(response_hidden(model, batch, pad_id, router_losses, padding_free))
 
 
 def full_state_dict(model: Any, trainable_only: bool = False) -> dict[str, torch.Tensor]:

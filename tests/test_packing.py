@@ -1,0 +1,158 @@
+"""Padding-free packed forwards (`actor.padding_free`, `mmrl.packing`) give the padded path's log-probs
+and gradients on every family that can pack: rows with images, videos, text only and a mixed batch,
+with responses of different lengths (one of them empty, as a truncated row's mask is). Qwen3.5's
+recurrent layers cannot keep packed rows apart on transformers' PyTorch kernels, so it refuses."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+from family_cases import media_at
+
+from mmrl.actor import Actor, build_actor, forward_logprobs
+from mmrl.batch import Batch
+from mmrl.config import ActorConfig, Config, ConfigError, CriticConfig
+from mmrl.critic import Critic, ValueModel
+from mmrl.data import PromptSample
+from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
+from mmrl.optim import plan_minibatches
+from mmrl.packing import pack
+from processors import build_messages, encode_prompt
+
+VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+CASES = {"images": ["image", "images"], "video": ["video"], "text": ["text"], "mixed": None}
+WIDTH = 9  # the longest response
+
+
+def _batch(prompts: list[PromptSample], seed: int) -> Batch:
+    """Two responses per prompt of different lengths (WIDTH down to 0) with random ordinary tokens."""
+    rows = [i for i in range(len(prompts)) for _ in range(2)]
+    gen = torch.Generator().manual_seed(seed)
+    response = torch.randint(100, 900, (len(rows), WIDTH), generator=gen)
+    lengths = torch.tensor([WIDTH - (3 * r) % (WIDTH + 1) for r in range(len(rows))])
+    mask = (torch.arange(WIDTH)[None] < lengths[:, None]).long()
+    return Batch(
+        tensors={"prompt_index": torch.tensor(rows), "response_ids": response * mask, "response_mask": mask},
+        prompts=prompts,
+    )
+
+
+def _prompts(tiny_family_dir, name: str, cases: list[str] | None):
+    """The tiny model of family `name`, its processor, and the family tests' prompts of `cases` (all)."""
+    folder = tiny_family_dir(name)
+    model, processor = load_policy(folder), load_processor(folder)
+    family = family_of(model)
+    media = media_at(family.tiny_grid_factor)
+    prompts = [media.prompt(processor, family, i, c) for i, c in enumerate(cases or media.cases)]
+    return model, processor, prompts
+
+
+def _forward_backward(model, batch: Batch, pad_id: int, padding_free: bool):
+    """Masked log-probs, every parameter's gradient of their sum, and an MoE model's router loss."""
+    model.zero_grad(set_to_none=True)
+    routers = [] if family_of(model).mixture_of_experts else None
+    logp, _ = forward_logprobs(model, batch, pad_id, router_losses=routers, padding_free=padding_free)
+    mask = batch["response_mask"].bool()
+    (logp * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach()[mask], grads, float(routers[0]) if routers else None
+
+
+def _assert_packed_equals_padded(model, batch: Batch, pad_id: int) -> None:
+    """Packed and padded log-probs agree to 1e-5; every parameter's gradient and the router loss agree to
+    1e-5 relative (vision tower, language model, LM head)."""
+    padded, padded_grads, padded_router = _forward_backward(model, batch, pad_id, False)
+    packed, packed_grads, packed_router = _forward_backward(model, batch, pad_id, True)
+    diff = float((packed - padded).abs().max())
+    assert diff < 1e-5, f"max |packed - padded| log-prob = {diff:.2e}"
+    assert padded_grads.keys() == packed_grads.keys()
+    worst = max(
+        float((a - packed_grads[n]).norm() / a.norm().clamp(min=1e-12)) for n, a in padded_grads.items()
+    )
+    assert worst < 1e-5, f"largest relative gradient difference {worst:.2e}"
+    if padded_router is not None:  # a mixture of experts: load balance over the same tokens
+        assert packed_router == pytest.approx(padded_router, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", VL_FAMILIES)
+def test_packed_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, case: str) -> None:
+    model, processor, prompts = _prompts(tiny_family_dir, name, CASES[case])
+    _assert_packed_equals_padded(model, _batch(prompts, seed=len(prompts)), processor.tokenizer.pad_token_id)
+
+
+def test_the_switch_reaches_the_actor_reference_and_critic_forwards(tiny_family_dir, monkeypatch) -> None:
+    """`actor.padding_free` runs the critic's values, the actor's (and so the reference's) log-probs and
+    the update's loss and gradient packed, over several micro-batches, at the padded numbers."""
+    _, processor, prompts = _prompts(tiny_family_dir, "qwen2_5_vl", None)
+    batch = _batch(prompts, seed=1)
+    batch.set(advantages=torch.linspace(-1, 1, len(batch))[:, None].expand(-1, WIDTH).clone())
+    pad_id = processor.tokenizer.pad_token_id
+    packs: list[int] = []
+    monkeypatch.setattr("mmrl.actor.pack", lambda *args: packs.append(1) or pack(*args))
+    seen = {}
+    for padding_free in (False, True):
+        policy = load_policy(tiny_family_dir("qwen2_5_vl"))
+        critic = Critic(ValueModel(policy), CriticConfig(), pad_id, WIDTH, 1, 4, padding_free=padding_free)
+        torch.nn.init.normal_(critic.model.value_head.weight, generator=torch.Generator().manual_seed(0))
+        cfg = ActorConfig(micro_batch_size=4, use_kl_loss=False, padding_free=padding_free)
+        actor = Actor(policy, cfg, pad_id, temperature=1.0, response_len=WIDTH, total_updates=1)
+        marks = [len(packs)]
+        values = critic.values(batch)
+        marks.append(len(packs))
+        logp = actor.logprobs(batch)
+        marks.append(len(packs))
+        stats = actor.update(batch, plan_minibatches(batch, len(batch), epochs=1, horizon=WIDTH)).metrics
+        marks.append(len(packs))
+        assert all((b > a) == padding_free for a, b in pairwise(marks)), marks  # each forward packs
+        seen[padding_free] = (values, logp, stats)
+    mask = batch["response_mask"].bool()
+    for padded, packed in zip(seen[False][:2], seen[True][:2], strict=True):
+        assert (packed - padded)[mask].abs().max() < 1e-5
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert seen[True][2][key] == pytest.approx(seen[False][2][key], rel=1e-5)
+
+
+def test_packed_text_model_equals_padded(tiny_family_dir) -> None:
+    folder = tiny_family_dir("text")
+    model, tokenizer = load_policy(folder), tokenizer_of(load_processor(folder))
+    questions = ["What is 3 + 4?", "Find x: the side of a square is 5 cm, what is its area?", "How many?"]
+    prompts = [
+        PromptSample(i, encode_prompt(tokenizer, build_messages(q, 0), []), q, "7")
+        for i, q in enumerate(questions)
+    ]
+    _assert_packed_equals_padded(model, _batch(prompts, seed=0), tokenizer.pad_token_id)
+
+
+def test_packed_positions_restart_per_sequence_and_keep_the_mrope_rows() -> None:
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [9, 9, 9, 3, 0, 0]])
+    attention = (ids != 0).long()
+    mrope = torch.arange(36).view(3, 2, 6)
+    packed = pack(ids, attention, mrope, prompt_width=3)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 9, 9, 3]]
+    assert packed.positions[0, 0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert torch.equal(packed.positions[1:, 0], mrope[:, attention.bool()])
+    assert packed.index.tolist()[0] == [1, 2, 3] and packed.index[1, :2].tolist() == [6, 7]
+    assert packed.valid.tolist() == [[True, True, False], [True, False, False]]
+    with pytest.raises(ValueError, match="holes"):
+        pack(ids, torch.tensor([[0, 1, 1, 1, 0, 1], [1, 1, 1, 1, 0, 0]]), mrope, prompt_width=3)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_refuses_to_pack_since_its_recurrent_state_runs_across_rows(tiny_family_dir, name) -> None:
+    """The first packed row is exact; the rows after it start from the previous row's DeltaNet state."""
+    model, processor, prompts = _prompts(tiny_family_dir, name, None)
+    batch = _batch(prompts, seed=0)
+    pad_id = processor.tokenizer.pad_token_id
+    with torch.no_grad():
+        padded, packed = (forward_logprobs(model, batch, pad_id, padding_free=p)[0] for p in (False, True))
+    gap = (packed - padded).abs() * batch["response_mask"]
+    assert gap[0].max() < 1e-5 and gap[1:].max() > 1e-4
+    assert not family_of(model).packs_sequences
+    cfg = Config.model_validate(
+        {"model": {"path": "tiny"}, "data": {"train_files": ["rows.jsonl"]}, "actor": {"padding_free": True}}
+    )
+    with pytest.raises(ConfigError, match=r"actor\.padding_free"):
+        build_actor(cfg, model, pad_id, torch.float32)
