@@ -24,6 +24,7 @@ from mmrl.algorithms import (
 )
 from mmrl.batch import Batch
 from mmrl.config import ActorConfig, Config, ConfigError
+from mmrl.micro_batches import Layout, micro_batches, micro_layout, scatter_rows
 from mmrl.models import Family, autocast_for, family_of, never_generated_ids
 from mmrl.optim import (
     MiniBatch,
@@ -163,16 +164,25 @@ def _media(family: Family, model: Any, batch: Batch, rows: list[int], video: boo
 
 
 def evaluate_rows(
-    model: Any, batch: Batch, micro_batch_size: int, fn: Callable[[Batch], torch.Tensor]
+    model: Any,
+    batch: Batch,
+    micro_batch_size: int,
+    fn: Callable[[Batch], torch.Tensor],
+    layout: Layout | None = None,
 ) -> torch.Tensor:
-    """`fn` over micro-batches in eval mode without gradients, concatenated on the CPU: how the
-    policy, the reference and the critic score a whole rollout batch."""
+    """`fn` over micro-batches in eval mode without gradients, gathered on the CPU in row order: how
+    the policy, the reference and the critic score a whole rollout batch. Micro-batches are chunks of
+    `micro_batch_size` rows, or `layout`'s token-budget groups (`mmrl.micro_batches`)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        parts = [fn(micro).cpu() for micro in batch.split(micro_batch_size)]
+        if layout is None:
+            out = torch.cat([fn(micro).cpu() for micro in batch.split(micro_batch_size)])
+        else:
+            parts = [fn(micro).cpu() for micro in micro_batches(batch, layout)]
+            out = scatter_rows(len(batch), batch["response_ids"].shape[1], layout, parts)
     model.train(was_training)
-    return torch.cat(parts)
+    return out
 
 
 class Actor:
@@ -198,8 +208,9 @@ class Actor:
         self.optimizer, self.scheduler = make_optimizer(params, cfg, total_updates)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
 
-    def logprobs(self, batch: Batch, model: Any = None) -> torch.Tensor:
-        """Log-probs of every row under `model` (default: the policy; or the frozen reference), micro-batched."""
+    def logprobs(self, batch: Batch, model: Any = None, layout: Layout | None = None) -> torch.Tensor:
+        """Log-probs of every row under `model` (default: the policy; or the frozen reference), micro-batched:
+        by `layout` where the worker group chose it, else by the config."""
         model = model if model is not None else self.model
         return evaluate_rows(
             model,
@@ -213,6 +224,7 @@ class Actor:
                 compute_dtype=self.compute_dtype,
                 padding_free=self.cfg.padding_free,
             )[0],
+            layout if layout is not None else micro_layout(batch, self.cfg.max_tokens_per_micro_batch),
         )
 
     def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
@@ -227,6 +239,7 @@ class Actor:
             max_grad_norm=self.cfg.max_grad_norm,
             micro_step=self._micro_step,
             prefix="actor",
+            max_tokens=self.cfg.max_tokens_per_micro_batch,
         )
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:

@@ -232,6 +232,13 @@ class ActorConfig(_OptimSection):
     ppo_epochs: int = Field(1, gt=0)
     mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward pass")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="Instead of micro_batch_size: rows packed by length into forwards of at most this many "
+        "padded tokens (rows x (longest prompt + longest response)), balanced by tokens across workers; "
+        "the gradient is the same. Also the critic's",
+    )
     padding_free: bool = Field(
         False,
         description="Actor, reference and critic forwards run each micro-batch's sequences packed into "

@@ -16,6 +16,7 @@ from mmrl.actor import evaluate_rows, response_hidden
 from mmrl.algorithms import clipped_value_loss
 from mmrl.batch import Batch
 from mmrl.config import CriticConfig
+from mmrl.micro_batches import micro_layout
 from mmrl.models import autocast_for, load_policy
 from mmrl.optim import (
     UpdateStats,
@@ -73,6 +74,7 @@ class Critic:
         total_updates: int,
         micro_batch_size: int,
         compute_dtype: torch.dtype = torch.float32,
+        max_tokens: int | None = None,
         padding_free: bool = False,
     ) -> None:
         self.model = model
@@ -80,6 +82,7 @@ class Critic:
         self.pad_id = pad_id
         self.response_len = response_len
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens  # actor.max_tokens_per_micro_batch: micro-batches as the actor's
         self.compute_dtype = compute_dtype
         self.padding_free = padding_free  # actor.padding_free: the critic's forward runs as the actor's
         self.optimizer, self.scheduler = make_optimizer(
@@ -95,6 +98,7 @@ class Critic:
             lambda micro: forward_values(
                 self.model, micro, self.pad_id, self.compute_dtype, self.padding_free
             ),
+            micro_layout(batch, self.max_tokens),
         )
         return values * batch["response_mask"]
 
@@ -110,6 +114,7 @@ class Critic:
             max_grad_norm=self.cfg.max_grad_norm,
             micro_step=self._micro_step,
             prefix="critic",
+            max_tokens=self.max_tokens,
         )
 
     def state_dict(self) -> dict[str, Any]:

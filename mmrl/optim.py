@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from mmrl.batch import Batch
+from mmrl.micro_batches import Layout, micro_batches, micro_layout
 
 
 class OptimSettings(Protocol):
@@ -81,10 +82,13 @@ class MiniBatch:
     """One optimizer step's rows (indices into the batch) and the totals its losses are divided by.
 
     The totals are the whole mini-batch's, even where a worker holds only its share of the rows:
-    summing the workers' gradients then gives exactly the one-process gradient."""
+    summing the workers' gradients then gives exactly the one-process gradient. `micro` holds each
+    micro-batch's positions in `rows` where the worker group chose them, so that every rank runs
+    as many forwards as the others under a token budget."""
 
     rows: torch.Tensor
     totals: dict[str, float]
+    micro: Layout | None = None
 
 
 def plan_minibatches(batch: Batch, rows_per_step: int, epochs: int, horizon: int) -> list[MiniBatch]:
@@ -118,20 +122,24 @@ def minibatch_updates(
     max_grad_norm: float,
     micro_step: MicroStep,
     prefix: str,
+    max_tokens: int | None = None,
 ) -> UpdateStats:
     """One optimizer step per planned mini-batch.
 
-    Gradients accumulate over micro-batches whose losses are normalised by the mini-batch's totals
-    (`num_tokens`, `num_seqs`, `horizon`), so micro-batching never changes the result. A non-finite
-    gradient norm skips the step: it never reaches the weights, the optimizer moments or the
-    learning-rate schedule, so a skipped step leaves the state exactly as it was."""
+    Micro-batches are `micro_batch_size` rows, or packed to `max_tokens` padded tokens when set
+    (`mmrl.micro_batches`). Gradients accumulate over micro-batches whose losses are normalised by
+    the mini-batch's totals (`num_tokens`, `num_seqs`, `horizon`), so micro-batching never changes
+    the result. A non-finite gradient norm skips the step: it never reaches the weights, the
+    optimizer moments or the learning-rate schedule, so a skipped step leaves the state exactly as
+    it was."""
     model.train()
     sums: dict[str, float] = {}
     skipped = 0
     for step in plan:
         mini = batch.select(step.rows)
         optimizer.zero_grad(set_to_none=True)
-        for micro in mini.split(micro_batch_size):
+        layout = step.micro if step.micro is not None else micro_layout(mini, max_tokens)
+        for micro in mini.split(micro_batch_size) if layout is None else micro_batches(mini, layout):
             for key, value in micro_step(micro, step.totals).items():
                 sums[key] = sums.get(key, 0.0) + value * len(micro) / len(mini)
         grad_norm = _total_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))

@@ -633,6 +633,7 @@ class Trainer:
             total_updates=optimizer_steps(cfg, cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
             micro_batch_size=cfg.actor.micro_batch_size,
             compute_dtype=self.compute_dtype,
+            max_tokens=cfg.actor.max_tokens_per_micro_batch,
             padding_free=cfg.actor.padding_free,
         )
 

@@ -23,6 +23,7 @@ from mmrl.config import load_config
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.logger import read_metrics
 from mmrl.lora import apply_lora, gather_shards, load_with_adapter
+from mmrl.micro_batches import deal, pack_rows, row_lengths
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import vllm_available
@@ -81,6 +82,17 @@ def _one_process_update(cfg, batch, plan) -> tuple[dict[str, torch.Tensor], torc
     return {k: v for k, v in model.state_dict().items() if peft is None or k in trainable}, base_logprobs
 
 
+def _two_worker_update(cfg, batch, plan):
+    """Weights before and after one update on two FSDP workers, its stats, and the reference's scores."""
+    group = PolicyGroup(cfg)
+    try:
+        before = group.state()
+        stats = group.update(batch, plan)
+        return before, stats, group.state(), group.ref_logprobs(batch)
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_fsdp_workers_update_exactly_like_one_process(
@@ -96,14 +108,7 @@ def test_two_fsdp_workers_update_exactly_like_one_process(
     assert len(plan) == 2
 
     expected, base_logprobs = _one_process_update(cfg, batch, plan)
-    group = PolicyGroup(cfg)
-    try:
-        before = group.state()
-        stats = group.update(batch, plan)
-        after = group.state()
-        reference = group.ref_logprobs(batch)
-    finally:
-        group.shutdown()
+    before, stats, after, reference = _two_worker_update(cfg, batch, plan)
 
     assert stats.steps == 2 and stats.skipped_steps == 0
     assert set(after) == set(expected), (
@@ -116,6 +121,32 @@ def test_two_fsdp_workers_update_exactly_like_one_process(
     assert worst < 1e-5, f"2 FSDP workers differ from 1 process by {worst:.2e}"
     # The reference is the untouched start: under LoRA the workers' base with the adapter off.
     torch.testing.assert_close(reference, base_logprobs, rtol=0, atol=1e-5)
+
+
+def test_token_budget_workers_update_and_score_like_one_process(local_ray, tmp_path, tiny_model_dir) -> None:
+    """`actor.max_tokens_per_micro_batch`: the ranks' shares are balanced by tokens, not rows, and each
+    rank runs as many micro-batches as the other (FSDP); weights and scores are still one process's."""
+    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = _cfg(tiny_model_dir, tmp_path / "data")
+    batch = _scored_batch(cfg)
+    width = batch["response_mask"].shape[1]
+    mask = batch["response_mask"] * (torch.arange(width) < (torch.arange(len(batch)) % (width + 1))[:, None])
+    batch.set(response_mask=mask)  # responses of 0 to 8 tokens: uneven shares and micro-batch counts
+    cfg.actor.max_tokens_per_micro_batch = budget = 160  # 4 rows of 35-token prompts and short answers
+    torch.manual_seed(1)
+    plan = update_plan(cfg, batch)
+    lengths = row_lengths(batch)
+    shares = [[lengths[i] for i in step.rows.tolist()] for step in plan]
+    uneven = [len({len(pack_rows(sub, rows, budget)) for rows in deal(sub, 2)}) > 1 for sub in shares]
+    assert any(uneven), "a rank should split a micro-batch to match the other rank's count"
+
+    expected, base_logprobs = _one_process_update(cfg, batch, plan)
+    _, stats, after, reference = _two_worker_update(cfg, batch, plan)
+
+    assert stats.steps == 2 and stats.skipped_steps == 0
+    worst = max(float((after[k] - expected[k]).abs().max()) for k in after)
+    assert worst < 1e-5, f"2 FSDP workers differ from 1 process by {worst:.2e}"
+    torch.testing.assert_close(reference * mask, base_logprobs * mask, rtol=0, atol=1e-5)
 
 
 def test_sharded_checkpoint_exports_whole_and_resumes_exactly(local_ray, tmp_path, tiny_model_dir) -> None:

@@ -20,6 +20,7 @@ from mmrl.batch import Batch, concat
 from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.errors import ResourceError, WorkerError
+from mmrl.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
 from mmrl.optim import MiniBatch, UpdateStats
 from mmrl.rollout import SamplingParams, resolve_engine
 from mmrl.workers.policy import PolicyWorker
@@ -176,6 +177,7 @@ class PolicyGroup:
 
     def __init__(self, cfg: Config) -> None:
         self.logprobs_are_free = resolve_engine(cfg.rollout.engine) == "vllm"
+        self.max_tokens = cfg.actor.max_tokens_per_micro_batch
         connect(cfg.trainer.ray_address)
         cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(Path(cfg.model.path).resolve())  # workers may start in another folder
@@ -223,36 +225,60 @@ class PolicyGroup:
         return self._rowwise("ref_logprobs", batch)
 
     def _rowwise(self, method: str, batch: Batch) -> torch.Tensor:
+        if self.max_tokens is not None:
+            return self._rowwise_packed(method, batch, self.max_tokens)
         shares = _even_shares(len(batch), self.world)
         parts = self.group.run(method, [(batch.select(s).compact(),) for s in shares])
         reals = _real(len(batch), self.world)
         return torch.cat([part[:real] for part, real in zip(parts, reals, strict=True)])
 
+    def _rowwise_packed(self, method: str, batch: Batch, max_tokens: int) -> torch.Tensor:
+        """Under a token budget: rows dealt to ranks balanced by tokens, each rank's micro-batches chosen
+        here so that every rank runs as many forwards; a blank one scores a row whose result is dropped."""
+        layouts = worker_layouts(row_lengths(batch), self.world, max_tokens)
+        shares = [rank_rows(layout, next((r for m in layout for r in m), 0)) for layout in layouts]
+        parts = self.group.run(method, [(batch.select(rows).compact(), local) for rows, local in shares])
+        owned, scored = [], []
+        for layout, (_, local), part in zip(layouts, shares, parts, strict=True):
+            for rows, positions in zip(layout, local, strict=True):
+                if rows:
+                    owned.append(rows)
+                    scored.append(part[positions])
+        return scatter_rows(len(batch), batch["response_ids"].shape[1], owned, scored)
+
     def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
-        """Each rank takes an equal share of every planned mini-batch, keeping the mini-batch's totals,
-        so the summed gradient is the one-process gradient. Short shares are padded with a row that
-        carries no loss (no response tokens, zero advantage)."""
+        """Each rank takes a share of every planned mini-batch, keeping the mini-batch's totals, so the
+        summed gradient is the one-process gradient. Shares are equal in rows, or under a token budget
+        equal in tokens with the same number of micro-batches (`mmrl.micro_batches.worker_layouts`).
+        Short shares are padded with a row that carries no loss (no response tokens, zero advantage)."""
         blank = batch.select([0])
         blank.set(response_mask=torch.zeros_like(blank["response_mask"]))
         blank.set(advantages=torch.zeros_like(blank["advantages"]))
         padded = concat([batch, blank])
-        pad_row = len(batch)
+        lengths = row_lengths(batch) if self.max_tokens is not None else None
         rows: list[list[int]] = [[] for _ in range(self.world)]
         plans: list[list[MiniBatch]] = [[] for _ in range(self.world)]
         for step in plan:
-            ids = step.rows.tolist()
-            for rank, (share, real) in enumerate(
-                zip(_even_shares(len(ids), self.world), _real(len(ids), self.world), strict=True)
-            ):
-                local = [ids[i] for i in share[:real]] + [pad_row] * (len(share) - real)
+            for rank, (local, micro) in enumerate(self._shares(step.rows.tolist(), lengths, len(batch))):
                 start = len(rows[rank])
                 rows[rank] += local
-                plans[rank].append(MiniBatch(torch.arange(start, start + len(local)), step.totals))
+                plans[rank].append(MiniBatch(torch.arange(start, start + len(local)), step.totals, micro))
         results = self.group.run(
             "update", [(padded.select(r).compact(), p) for r, p in zip(rows, plans, strict=True)]
         )
         metrics = {k: sum(r.metrics[k] for r in results) / self.world for k in results[0].metrics}
         return UpdateStats(metrics=metrics, skipped_steps=results[0].skipped_steps, steps=results[0].steps)
+
+    def _shares(
+        self, ids: list[int], lengths: list[tuple[int, int]] | None, pad_row: int
+    ) -> list[tuple[list[int], Layout | None]]:
+        """Each rank's rows of one mini-batch (`pad_row` for a blank) and, given the rows' lengths
+        under a token budget, its micro-batches as positions in those rows."""
+        if lengths is None or self.max_tokens is None:
+            counts = zip(_even_shares(len(ids), self.world), _real(len(ids), self.world), strict=True)
+            return [([ids[i] for i in s[:real]] + [pad_row] * (len(s) - real), None) for s, real in counts]
+        layouts = worker_layouts([lengths[i] for i in ids], self.world, self.max_tokens)
+        return [rank_rows([[ids[p] for p in micro] for micro in layout], pad_row) for layout in layouts]
 
     # ------------------------------------------------------------ state
     def save(self, folder: Path) -> None:

@@ -24,6 +24,7 @@ from mmrl.batch import Batch
 from mmrl.config import Config
 from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
+from mmrl.micro_batches import Layout
 from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.optim import MiniBatch, UpdateStats, apply_settings
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
@@ -91,14 +92,14 @@ class PolicyWorker:
     def sleep(self) -> None:
         self.engine.sleep()
 
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        return self.actor.logprobs(batch)
+    def logprobs(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
+        return self.actor.logprobs(batch, layout=layout)
 
-    def ref_logprobs(self, batch: Batch) -> torch.Tensor:
+    def ref_logprobs(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
         if self.peft is not None:  # LoRA: the base model is the policy without its adapter
             with self.peft.disable_adapter():
-                return self.actor.logprobs(batch)
-        return self.actor.logprobs(batch, self.ref)
+                return self.actor.logprobs(batch, layout=layout)
+        return self.actor.logprobs(batch, self.ref, layout)
 
     def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
         return self.actor.update(batch, plan)
