@@ -53,8 +53,8 @@ def _preflight(cfg: Config) -> None:
             f"model.path: no model at {model}; this config starts from behaviour cloning, so run "
             "`mmrl sft` with it first (it writes model.path)"
         )
-    from mmrl.rows import resolve_data
     from mmrl.models import load_config as load_model_config
+    from mmrl.rows import resolve_data
 
     load_model_config(cfg.model.path)  # a folder or a hub id, of a supported family
 

@@ -18,7 +18,7 @@ from mmrl.cli import main
 from mmrl.config import ConfigError, DataConfig
 from mmrl.data import PromptDataset
 from mmrl.models import load_processor
-from mmrl.rows import read_rows, resolve_data
+from mmrl.rows import RowStream, read_rows, resolve_data
 from processors import PixelBudget
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)  # every image becomes 4 image tokens
@@ -365,6 +365,8 @@ def test_hub_id_is_resolved_offline_from_the_datasets_cache(
     dataset = _dataset(rows, processor)
     assert len(dataset.prepare_all()) == 2 and dict(dataset.skipped) == {"bad_image": 1}
     assert len(read_rows(["hiyouga/geometry3k@test"])) == 1
+    streamed = RowStream(["hiyouga/geometry3k@train"])  # `data.streaming`: the same rows, read in order
+    assert [row for row, _ in streamed] == [row for row, _ in rows]
     with pytest.raises(ConfigError, match=r"no split 'val'; the folder has \['test', 'train'\]"):
         read_rows(["hiyouga/geometry3k@val"])
 
