@@ -111,6 +111,11 @@ class DataConfig(_Section):
         description="Read train_files one row at a time as training goes, without converting or caching "
         "them (data larger than the disk, hub ids not worth caching whole); resume replays the epoch's rows",
     )
+    prefetch: bool = Field(
+        True,
+        description="Prepare the next training batch (images decoded, sized, tokenized) on a background "
+        "thread while the current step runs; the batches are the same either way",
+    )
     shuffle_buffer: int = Field(
         10_000,
         gt=0,

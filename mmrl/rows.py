@@ -251,6 +251,7 @@ def _parquet_as_arrow(path: Path, stamp: str) -> Path:
         for batch in source.iter_batches(batch_size=256):
             writer.write_batch(batch)
     os.replace(partial, target)
+    pa.default_memory_pool().release_unused()  # the decoded pages, else kept by the allocator for the run
     return target
 
 

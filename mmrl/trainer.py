@@ -46,6 +46,7 @@ from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
 from mmrl.optim import apply_settings
+from mmrl.prefetch import PrefetchLoader
 from mmrl.progress import TrainingProgress
 from mmrl.resume import check_resume, record_config
 from mmrl.rollout import SamplingParams, engine_from_config
@@ -325,7 +326,9 @@ class Trainer:
         """Prompt rows, their loader, and the reward functions that grade the answers."""
         cfg = self.cfg
         self.train_set, self.val_samples = build_datasets(cfg, self.processor, model_config)
-        self.loader = make_loader(self.train_set, cfg.data, cfg.trainer.seed)
+        self.loader = PrefetchLoader(
+            make_loader(self.train_set, cfg.data, cfg.trainer.seed), cfg.data.prefetch
+        )
         self.rewards = RewardManager(
             [f.model_dump() for f in cfg.reward.functions],
             timeout_s=cfg.reward.timeout_s,
@@ -340,24 +343,19 @@ class Trainer:
         return bool(self.val_samples)
 
     def _source_metrics(self, batch: Batch) -> dict[str, Any]:
-        metrics = _data_metrics(batch, self.train_set.skipped, self.loader.epoch)
-        if self.train_set.huge_images:
-            metrics["data/huge_images"] = self.train_set.huge_images
+        metrics = _data_metrics(batch, self.loader.skipped, self.loader.epoch)
+        if self.loader.huge_images:
+            metrics["data/huge_images"] = self.loader.huge_images
         return metrics
 
     def _source_state(self) -> dict[str, Any]:
-        return {
-            "loader": self.loader.state_dict(),
-            "bad_rows": dict(self.train_set.bad_rows),
-            "huge_rows": dict(self.train_set.huge_rows),
-        }
+        return self.loader.source_state()
 
     def _load_source_state(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state["loader"])
-        self.train_set.bad_rows = dict(state["bad_rows"])
-        self.train_set.huge_rows = dict(state.get("huge_rows", {}))  # absent in older checkpoints
+        self.loader.load_source_state(state)
 
     def _close_source(self) -> None:
+        self.loader.close()
         self.rewards.close()
 
     def _update_plan(self, batch: Batch) -> list[Any]:

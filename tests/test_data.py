@@ -14,6 +14,7 @@ from PIL import Image
 from mmrl.config import ConfigError, DataConfig
 from mmrl.data import PromptDataset, PromptLoader, StreamLoader, make_loader, read_rows
 from mmrl.models import load_processor
+from mmrl.prefetch import PrefetchLoader
 from processors import PixelBudget, num_image_tokens
 
 # Exactly four 28x28 cells per image: 60x50 is resized to 56x56, 120x30 to 112x28; both 4 tokens.
@@ -389,3 +390,24 @@ def test_streamed_rows_are_shuffled_through_a_buffer_and_resume_exactly(
     assert resumed.state_dict() == reference.state_dict()
     assert reference.dataset.skipped == Counter(expected.values())  # each bad row counted once, lazily
     assert not list(cache.rglob("*.arrow")), "a stream is read in place, never converted"
+
+
+def test_prefetching_gives_the_same_batches_and_checkpoints_only_what_was_handed_out(
+    corpus, processor
+) -> None:
+    """`PrefetchLoader` prepares batch k+1 in the background, yet its batches, skip counts and the state a
+    checkpoint takes after batch k are the plain loader's; restoring that state drops the prefetched batch."""
+    path, _, _ = corpus
+    plain = PromptLoader(_dataset(path, processor), batch_size=4, seed=5)
+    ahead = PrefetchLoader(PromptLoader(_dataset(path, processor), batch_size=4, seed=5))
+    states = []
+    for _ in range(7):  # past an epoch's end, bad rows met on the way
+        assert [s.row_id for s in ahead.next_batch()] == [s.row_id for s in plain.next_batch()]
+        expected = {"loader": plain.state_dict(), "bad_rows": plain.dataset.bad_rows, "huge_rows": {}}
+        assert ahead.source_state() == expected
+        assert (ahead.skipped, ahead.epoch) == (plain.dataset.skipped, plain.epoch)
+        states.append(ahead.source_state())
+    rest = _run(plain, 3)
+    ahead.load_source_state(states[-1])
+    assert [[s.row_id for s in ahead.next_batch()] for _ in range(3)] == rest
+    ahead.close()
