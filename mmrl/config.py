@@ -504,8 +504,6 @@ class Config(_Section):
     def _check_workers_supported(self) -> None:
         """What the Ray worker path does not do yet, refused up front rather than ignored."""
         unsupported = {
-            "algorithm.adv_estimator=gae (the critic runs in-process only)": self.algorithm.adv_estimator
-            == "gae",
             "rollout.vllm.tensor_parallel_size > 1 (each worker runs a one-GPU engine)": self.rollout.engine
             != "hf"
             and self.rollout.vllm.tensor_parallel_size > 1,

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrl.actor import evaluate_rows, response_hidden
+from mmrl.actor import evaluate_rows, optimizer_steps, response_hidden
 from mmrl.algorithms import clipped_value_loss
 from mmrl.batch import Batch
-from mmrl.config import CriticConfig
-from mmrl.micro_batches import micro_layout
-from mmrl.models import autocast_for, load_policy
+from mmrl.config import Config, CriticConfig
+from mmrl.micro_batches import Layout, micro_layout
+from mmrl.models import autocast_for, family_of, load_policy
 from mmrl.optim import (
+    MiniBatch,
     UpdateStats,
     apply_settings,
     make_optimizer,
@@ -26,6 +27,18 @@ from mmrl.optim import (
     per_minibatch,
     plan_minibatches,
 )
+
+
+def needs_critic(cfg: Config) -> bool:
+    """Whether the advantage estimator learns a value function (GAE)."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def critic_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:
+    """The critic's mini-batches: the actor's size, `critic.ppo_epochs` (default the actor's) shuffles."""
+    rows_per_step = cfg.actor.mini_batch_size * cfg.rollout.n
+    epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
+    return plan_minibatches(batch, rows_per_step, epochs, cfg.rollout.max_new_tokens)
 
 
 class ValueModel(nn.Module):
@@ -43,6 +56,14 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
+    def forward(self, batch: Batch, pad_id: int, padding_free: bool = False) -> torch.Tensor:
+        """V (B, T) of every response position; a `forward`, so FSDP gathers the head with the root.
+
+        Copied out of the head's output, a view: FSDP hooks its backward onto what `forward` returns,
+        and an in-place op on a view would lose that hook."""
+        values = self.value_head(response_hidden(self, batch, pad_id, padding_free=padding_free))
+        return values.squeeze(-1).clone()
+
     @classmethod
     def from_policy_weights(cls, path: str | Path, device: str) -> ValueModel:
         """A critic whose trunk starts from a policy checkpoint (the LM head is dropped)."""
@@ -58,8 +79,7 @@ def forward_values(
 ) -> torch.Tensor:
     """V (B, T) of every response position, float32."""
     with autocast_for(model, compute_dtype):
-        hidden = response_hidden(model, batch, pad_id, padding_free=padding_free)
-        return model.value_head(hidden).squeeze(-1).float()
+        return model(batch, pad_id, padding_free).float()
 
 
 class Critic:
@@ -89,8 +109,9 @@ class Critic:
             [p for p in model.parameters() if p.requires_grad], cfg, total_updates
         )
 
-    def values(self, batch: Batch) -> torch.Tensor:
-        """V of every response token under the current critic, 0 on padding."""
+    def values(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
+        """V of every response token under the current critic, 0 on padding; micro-batched by `layout`
+        where the worker group chose it, else by the config."""
         values = evaluate_rows(
             self.model,
             batch,
@@ -98,18 +119,18 @@ class Critic:
             lambda micro: forward_values(
                 self.model, micro, self.pad_id, self.compute_dtype, self.padding_free
             ),
-            micro_layout(batch, self.max_tokens),
+            layout if layout is not None else micro_layout(batch, self.max_tokens),
         )
         return values * batch["response_mask"]
 
-    def update(self, batch: Batch, rows_per_step: int, epochs: int) -> UpdateStats:
-        """Regress V on `returns`, clipped around the rollout's `values`."""
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        """Regress V on `returns`, clipped around the rollout's `values`: one step per planned mini-batch."""
         return minibatch_updates(
             self.model,
             self.optimizer,
             self.scheduler,
             batch,
-            plan_minibatches(batch, rows_per_step, epochs, self.response_len),
+            plan,
             micro_batch_size=self.micro_batch_size,
             max_grad_norm=self.cfg.max_grad_norm,
             micro_step=self._micro_step,
@@ -147,3 +168,26 @@ class Critic:
         stats = {"critic/vf_loss": float(loss.detach())}
         stats.update({f"critic/{k}": float(v) for k, v in metrics.items()})
         return per_minibatch(stats, len(micro), totals)
+
+
+def value_model(cfg: Config, start: str | Path, device: str) -> ValueModel:
+    """The critic's model, its trunk from the policy weights at `start`, frozen where the policy's is."""
+    model = ValueModel.from_policy_weights(start, device)
+    if cfg.model.freeze_vision_tower:
+        family_of(model).freeze_vision(model)
+    return model
+
+
+def build_critic(cfg: Config, model: ValueModel, pad_id: int, compute_dtype: torch.dtype) -> Critic:
+    """The critic over `model` (whole, or this rank's FSDP shard), set up as `cfg` says."""
+    return Critic(
+        model,
+        cfg.critic,
+        pad_id,
+        cfg.rollout.max_new_tokens,
+        total_updates=optimizer_steps(cfg, cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
+        micro_batch_size=cfg.actor.micro_batch_size,
+        compute_dtype=compute_dtype,
+        max_tokens=cfg.actor.max_tokens_per_micro_batch,
+        padding_free=cfg.actor.padding_free,
+    )

@@ -26,7 +26,7 @@ from transformers import AutoConfig
 
 from mmrl import checkpoint as ckpt
 from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
-from mmrl.actor import Actor, build_actor, needs_old_logprobs, needs_reference, optimizer_steps, update_plan
+from mmrl.actor import Actor, build_actor, needs_old_logprobs, needs_reference, update_plan
 from mmrl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -38,7 +38,7 @@ from mmrl.algorithms import (
 )
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError
-from mmrl.critic import Critic, ValueModel
+from mmrl.critic import Critic, build_critic, critic_plan, needs_critic, value_model
 from mmrl.data import PreparedRows, PromptDataset, image_budget, make_loader
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
@@ -58,7 +58,7 @@ from processors import VideoBudget
 from rewards import RewardManager
 
 if TYPE_CHECKING:
-    from mmrl.workers.group import PolicyGroup
+    from mmrl.workers.group import CriticRole, PolicyGroup
 
 log = logging.getLogger("mmrl.trainer")
 
@@ -124,7 +124,7 @@ class Trainer:
                 cfg, self.model, self.processor, self.compute_dtype, cfg.model.path
             )
             self.actor = self._make_actor()
-        self.critic = self._make_critic(cfg.critic.model_path or cfg.model.path)
+        self.critic: Critic | CriticRole | None = self._make_critic(cfg.critic.model_path or cfg.model.path)
         self.ref: Any = None
         self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.kl_ctrl = make_kl_controller(cfg)
@@ -474,7 +474,7 @@ class Trainer:
         if self.workers is None:
             state["optimizer"] = self.actor.optimizer.state_dict()
             state["scheduler"] = self.actor.scheduler.state_dict()
-        if self.critic is not None:
+        if self.critic is not None and self.workers is None:  # workers save their critic shards themselves
             state["critic"] = self.critic.state_dict()
         root = self.run_dir / "checkpoints"
         try:
@@ -546,7 +546,7 @@ class Trainer:
         self._load_source_state(state)
         ckpt.set_rng_state(state["rng"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
-        if self.critic is not None:
+        if self.critic is not None and self.workers is None:  # `workers.load` restored theirs
             self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         self.resumed_from = folder
@@ -583,8 +583,10 @@ class Trainer:
         cfg.model.path = str(start)
         self.workers = PolicyGroup(cfg)
         self.engine = self.actor = self.workers
+        self.critic = self.workers.critic
+        roles = "actor and critic" if self.critic is not None else "actor"
         self.console.print(
-            f"{self.workers.world} actor workers (FSDP2) on {len(set(self.workers.nodes))} node(s)"
+            f"{self.workers.world} {roles} workers (FSDP2) on {len(set(self.workers.nodes))} node(s)"
         )
 
     @contextmanager
@@ -614,36 +616,19 @@ class Trainer:
             ) from err
 
     def _make_critic(self, start: str | Path) -> Critic | None:
-        """The GAE critic, its trunk initialised from the policy weights at `start`; None without GAE."""
-        if self.cfg.algorithm.adv_estimator != "gae":
+        """The in-process GAE critic, its trunk initialised from the policy weights at `start`; None
+        without GAE, or with Ray workers, which hold their own shards of it (`_start_workers`)."""
+        if not needs_critic(self.cfg) or self.cfg.trainer.uses_workers:
             return None
-        cfg = self.cfg
         device = str(next(self.model.parameters()).device)
         with torch.random.fork_rng(devices=_rng_devices()):  # building it must not shift the training RNG
-            model = ValueModel.from_policy_weights(start, device)
-        if cfg.model.freeze_vision_tower:
-            family_of(model).freeze_vision(model)
-        return Critic(
-            model,
-            cfg.critic,
-            self.pad_id,
-            cfg.rollout.max_new_tokens,
-            total_updates=optimizer_steps(cfg, cfg.critic.ppo_epochs or cfg.actor.ppo_epochs),
-            micro_batch_size=cfg.actor.micro_batch_size,
-            compute_dtype=self.compute_dtype,
-            max_tokens=cfg.actor.max_tokens_per_micro_batch,
-            padding_free=cfg.actor.padding_free,
-        )
+            model = value_model(self.cfg, start, device)
+        return build_critic(self.cfg, model, self.pad_id, self.compute_dtype)
 
     def _update_critic(self, batch: Batch) -> dict[str, Any]:
         """One critic update on the actor's mini-batches; returns its metrics."""
-        cfg = self.cfg
         assert self.critic is not None
-        stats = self.critic.update(
-            batch,
-            rows_per_step=cfg.actor.mini_batch_size * cfg.rollout.n,
-            epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs,
-        )
+        stats = self.critic.update(batch, critic_plan(self.cfg, batch))
         mask = batch["response_mask"].bool()
         metrics = dict(stats.metrics)
         metrics["critic/returns_mean"] = float(batch["returns"][mask].mean()) if mask.any() else 0.0

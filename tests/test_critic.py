@@ -16,6 +16,7 @@ from mmrl.critic import Critic, ValueModel
 from mmrl.data import PromptSample
 from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
+from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.synthetic import generate
 from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
@@ -60,7 +61,9 @@ def test_critic_starts_at_zero_and_learns_image_dependent_returns(tiny_model_dir
     losses = []
     for _ in range(40):
         batch.set(values=critic.values(batch))
-        losses.append(critic.update(batch, rows_per_step=len(batch), epochs=1).metrics["critic/vf_loss"])
+        losses.append(
+            critic.update(batch, plan_minibatches(batch, len(batch), 1, 6)).metrics["critic/vf_loss"]
+        )
     assert losses[0] == pytest.approx(0.5, abs=1e-6)  # ½·mean((0 − ±1)²)
     assert losses[-1] < 0.1 * losses[0], losses
     values = critic.values(batch)

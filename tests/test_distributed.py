@@ -1,8 +1,9 @@
 """Ray worker groups with FSDP2 on a real local Ray cluster and real gloo process groups.
 
 Parity: one update of the same global batch gives the same weights in one process and in two
-FSDP workers, for full fine-tuning and for LoRA. The workers also generate, score log-probs and
-checkpoint; the trainer runs through them end to end on a fake two-node cluster.
+FSDP workers, for full fine-tuning and for LoRA, and so do the GAE critic's values and update. The
+workers also generate, score log-probs and checkpoint; the trainer runs through them end to end on a
+fake two-node cluster.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ray.cluster_utils import Cluster
 from mmrl import checkpoint as ckpt
 from mmrl.actor import build_actor, update_plan
 from mmrl.config import load_config
+from mmrl.critic import build_critic, critic_plan, value_model
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.logger import read_metrics
 from mmrl.lora import apply_lora, gather_shards, load_with_adapter
@@ -176,6 +178,64 @@ def test_sharded_checkpoint_exports_whole_and_resumes_exactly(local_ray, tmp_pat
         assert all(torch.equal(v, saved[k]) for k, v in resumed.state().items())
         resumed.update(batch, second)  # the same step again: AdamW moments and schedule were restored too
         again = resumed.state()
+    finally:
+        resumed.shutdown()
+    assert all(torch.equal(again[k], continued[k]) for k in continued)
+
+
+def test_two_workers_critic_values_update_and_resume_like_one_process(
+    local_ray, tmp_path, tiny_model_dir
+) -> None:
+    """GAE on workers: the critic's FSDP2 shards live on the policy's ranks. Values before and after one
+    critic update equal one process's, under a token budget (token-balanced shares, as the actor's);
+    a checkpoint restores weights, AdamW moments and schedule, so the next update is the same."""
+    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path / "data",
+        "algorithm.adv_estimator=gae",
+        "critic.lr=1e-3",
+        "critic.max_grad_norm=0.05",
+        "actor.max_tokens_per_micro_batch=160",
+    )
+    batch = _scored_batch(cfg)
+    batch.set(values=torch.zeros_like(batch["advantages"]), returns=torch.randn(batch["advantages"].shape))
+    torch.manual_seed(1)
+    first, second = critic_plan(cfg, batch), critic_plan(cfg, batch)
+    assert len(first) == 2
+
+    # The head starts at zero: the first step moves the head only, the second the trunk through it.
+    model = value_model(cfg, cfg.model.path, "cpu")
+    critic = build_critic(cfg, model, load_processor(cfg.model.path).tokenizer.pad_token_id, torch.float32)
+    expected_before = critic.values(batch)
+    critic.update(batch, first)
+    expected_after = critic.values(batch)
+
+    folder = tmp_path / "ckpt"
+    group = PolicyGroup(cfg)
+    try:
+        before = group.critic.values(batch)
+        stats = group.critic.update(batch, first)
+        after = group.critic.values(batch)
+        group.save(folder)
+        saved = group.critic.state()
+        group.critic.update(batch, second)
+        continued = group.critic.state()
+    finally:
+        group.shutdown()
+
+    assert stats.steps == 2 and stats.skipped_steps == 0
+    assert float((expected_after - expected_before).abs().max()) > 1e-3, "the update should move V"
+    worst = max(float((before - expected_before).abs().max()), float((after - expected_after).abs().max()))
+    worst = max(worst, *(float((saved[k] - v).abs().max()) for k, v in critic.model.state_dict().items()))
+    assert worst < 1e-5, f"2 FSDP workers' critic differs from 1 process by {worst:.2e}"
+
+    resumed = PolicyGroup(cfg)
+    try:
+        resumed.load(folder)
+        assert all(torch.equal(v, saved[k]) for k, v in resumed.critic.state().items())
+        resumed.critic.update(batch, second)
+        again = resumed.critic.state()
     finally:
         resumed.shutdown()
     assert all(torch.equal(again[k], continued[k]) for k in continued)

@@ -171,7 +171,7 @@ def test_critic_token_budget_gradient_equals_the_fixed_count_gradient(tiny_model
         cfg = CriticConfig(lr=1e-9, max_grad_norm=1e9)
         critic = Critic(model, cfg, pad, HORIZON, 1, micro_batch_size=4, max_tokens=budget)
         torch.manual_seed(1)  # the same mini-batch order in both
-        critic.update(batch, plan_rows, epochs=1)
+        critic.update(batch, plan_minibatches(batch, plan_rows, 1, HORIZON))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert all(float(g.abs().max()) > 0 for g in grads[0].values())
     assert _relative_error(grads[1], grads[0]) < 1e-6

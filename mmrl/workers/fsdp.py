@@ -11,11 +11,18 @@ from __future__ import annotations
 
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -43,8 +50,8 @@ def init_process_group(rank: int, world_size: int, address: str, port: int, time
     return torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
 
 
-def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
-    """Shard `model` in place with `fully_shard` and make `actor.response_logits` FSDP-aware.
+def shard_model(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
+    """Shard `model` (the policy or the critic: anything whose family names its units) in place.
 
     Mixed precision casts the gathered parameters to `compute_dtype` (bf16 on GPUs) and reduces
     gradients in fp32; the sharded master weights and AdamW state stay fp32. `offload` keeps
@@ -61,9 +68,16 @@ def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    return model
+
+
+def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
+    """`shard_model`, and `actor.response_logits` and `generate` made FSDP-aware: both reach the
+    root's weights (LM head, embeddings) outside `forward`."""
+    shard_model(model, compute_dtype, offload)
     setattr(model, SHARDED_LOGITS, partial(_response_logits, model))
     register_fsdp_forward_method(model, SHARDED_LOGITS)
-    register_fsdp_forward_method(model, "generate")  # generation reaches the root's weights outside `forward`
+    register_fsdp_forward_method(model, "generate")
     return model
 
 
@@ -77,3 +91,23 @@ def full_state_dict(model: Any, trainable_only: bool = False) -> dict[str, torch
     """The whole, unsharded state on CPU, on every rank (a collective: every rank must call it)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     return get_model_state_dict(model, options=options)
+
+
+def save_sharded(model: Any, optimizer: Any, path: Path, options: StateDictOptions) -> None:
+    """This rank's shards of the weights and AdamW state into `path` (a collective: DCP)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+
+
+def load_sharded(model: Any, optimizer: Any, path: Path, options: StateDictOptions) -> None:
+    """`save_sharded`'s inverse (a collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
+    )

@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mmrl.batch import Batch, concat
 from mmrl.config import Config
+from mmrl.critic import needs_critic
 from mmrl.data import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
@@ -181,10 +182,13 @@ class PolicyGroup:
         connect(cfg.trainer.ray_address)
         cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(Path(cfg.model.path).resolve())  # workers may start in another folder
+        if cfg.critic.model_path:
+            cfg.critic.model_path = str(Path(cfg.critic.model_path).resolve())
         self.group = WorkerGroup(PolicyWorker, cfg, "actor")
         port = ray.get(self.group.workers[0].free_port.remote())
         world, ip = len(self.group), self.group.places[0]["ip"]
         self.group.run("setup", [(cfg, rank, world, ip, port) for rank in range(world)], what="startup")
+        self.critic = CriticRole(self) if needs_critic(cfg) else None  # GAE: its shards on the same ranks
 
     @property
     def world(self) -> int:
@@ -219,12 +223,12 @@ class PolicyGroup:
 
     # ------------------------------------------------------------ actor
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        return self._rowwise("logprobs", batch)
+        return self.rowwise("logprobs", batch)
 
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
-        return self._rowwise("ref_logprobs", batch)
+        return self.rowwise("ref_logprobs", batch)
 
-    def _rowwise(self, method: str, batch: Batch) -> torch.Tensor:
+    def rowwise(self, method: str, batch: Batch) -> torch.Tensor:
         if self.max_tokens is not None:
             return self._rowwise_packed(method, batch, self.max_tokens)
         shares = _even_shares(len(batch), self.world)
@@ -247,13 +251,17 @@ class PolicyGroup:
         return scatter_rows(len(batch), batch["response_ids"].shape[1], owned, scored)
 
     def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        return self.split_update("update", batch, plan)
+
+    def split_update(self, method: str, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
         """Each rank takes a share of every planned mini-batch, keeping the mini-batch's totals, so the
         summed gradient is the one-process gradient. Shares are equal in rows, or under a token budget
         equal in tokens with the same number of micro-batches (`mmrl.micro_batches.worker_layouts`).
         Short shares are padded with a row that carries no loss (no response tokens, zero advantage)."""
         blank = batch.select([0])
         blank.set(response_mask=torch.zeros_like(blank["response_mask"]))
-        blank.set(advantages=torch.zeros_like(blank["advantages"]))
+        if "advantages" in blank:
+            blank.set(advantages=torch.zeros_like(blank["advantages"]))
         padded = concat([batch, blank])
         lengths = row_lengths(batch) if self.max_tokens is not None else None
         rows: list[list[int]] = [[] for _ in range(self.world)]
@@ -264,7 +272,7 @@ class PolicyGroup:
                 rows[rank] += local
                 plans[rank].append(MiniBatch(torch.arange(start, start + len(local)), step.totals, micro))
         results = self.group.run(
-            "update", [(padded.select(r).compact(), p) for r, p in zip(rows, plans, strict=True)]
+            method, [(padded.select(r).compact(), p) for r, p in zip(rows, plans, strict=True)]
         )
         metrics = {k: sum(r.metrics[k] for r in results) / self.world for k in results[0].metrics}
         return UpdateStats(metrics=metrics, skipped_steps=results[0].skipped_steps, steps=results[0].steps)
@@ -293,3 +301,22 @@ class PolicyGroup:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class CriticRole:
+    """The critic on the policy's workers (`mmrl.workers.critic`), as the trainer calls an in-process
+    `Critic`: its batches are split across ranks as the actor's are. Its state is saved and restored
+    with the policy's (`PolicyGroup.save`, `PolicyGroup.load`)."""
+
+    def __init__(self, group: PolicyGroup) -> None:
+        self.group = group
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        return self.group.rowwise("values", batch)
+
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        return self.group.split_update("critic_update", batch, plan)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The whole critic, unsharded (for parity checks and tests)."""
+        return self.group.group.run("critic_state", [()] * self.group.world)[0]

@@ -3,7 +3,8 @@
 Each rank holds an FSDP2 shard of the policy (all weights, or a frozen base with LoRA
 adapters), its shard of the AdamW state, and, when a KL term needs one, the frozen reference:
 a sharded copy under full fine-tuning, the same weights with the adapter switched off under
-LoRA. Generation uses the HF engine on the sharded weights, so there is nothing to sync.
+LoRA. Under GAE it also holds its shard of the critic (`mmrl.workers.critic`). Generation uses
+the HF engine on the sharded weights, so there is nothing to sync.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from mmrl.actor import build_actor, needs_reference
 from mmrl.batch import Batch
 from mmrl.config import Config
+from mmrl.critic import needs_critic
 from mmrl.data import PromptSample
 from mmrl.lora import apply_lora
 from mmrl.micro_batches import Layout
@@ -29,7 +30,8 @@ from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, 
 from mmrl.optim import MiniBatch, UpdateStats, apply_settings
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
-from mmrl.workers.fsdp import full_state_dict, init_process_group, shard_policy
+from mmrl.workers.critic import load_critic, save_critic, sharded_critic
+from mmrl.workers.fsdp import full_state_dict, init_process_group, load_sharded, save_sharded, shard_policy
 
 
 def free_port() -> int:
@@ -76,6 +78,9 @@ class PolicyWorker:
         self.pad_id = tokenizer_of(processor).pad_token_id
         self.processor = processor
         self.actor = build_actor(cfg, self.model, self.pad_id, self.compute_dtype)
+        self.critic = (
+            sharded_critic(cfg, device, self.pad_id, self.compute_dtype) if needs_critic(cfg) else None
+        )
         if resolve_engine(cfg.rollout.engine) == "vllm":  # each rank its own engine, fed whole weights
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
         else:  # generates with the shards themselves; ranks step together
@@ -104,6 +109,19 @@ class PolicyWorker:
     def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
         return self.actor.update(batch, plan)
 
+    def values(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
+        assert self.critic is not None
+        return self.critic.values(batch, layout)
+
+    def critic_update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        assert self.critic is not None
+        return self.critic.update(batch, plan)
+
+    def critic_state(self) -> dict[str, torch.Tensor]:
+        """The critic's whole state, unsharded (a collective; for parity checks and tests)."""
+        assert self.critic is not None
+        return full_state_dict(self.critic.model)
+
     def state(self) -> dict[str, torch.Tensor]:
         """The whole trainable state, unsharded (a collective; for parity checks and tests)."""
         state = full_state_dict(self.model, trainable_only=self.peft is not None)
@@ -118,9 +136,11 @@ class PolicyWorker:
         """Write this rank's shards of the weights and AdamW state into `folder/model/dcp`; rank 0 adds
         the config, the processor and the learning-rate schedule (the same on every rank).
 
-        Under LoRA only the adapters are saved; the base is `model.path`, recorded in the marker file."""
-        model_state, optim_state = get_state_dict(self.model, self.actor.optimizer, options=self._options)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder / "model" / "dcp")
+        Under LoRA only the adapters are saved; the base is `model.path`, recorded in the marker file.
+        The critic, if any, goes into `folder/critic` (`mmrl.workers.critic.save_critic`)."""
+        save_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
+        if self.critic is not None:
+            save_critic(self.critic, folder, self.rank)
         adapter = self.state() if self.peft is not None else None  # a collective: every rank gathers
         if self.rank == 0:
             if adapter is not None:  # also in peft's format, so plain transformers (and `mmrl eval`) load it
@@ -138,20 +158,13 @@ class PolicyWorker:
         dist.barrier()
 
     def load(self, folder: Path) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.actor.optimizer, options=self._options)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=folder / "model" / "dcp")
-        set_state_dict(
-            self.model,
-            self.actor.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=self._options,
-        )
+        load_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
         self.actor.scheduler.load_state_dict(
             torch.load(folder / "model" / "scheduler.pt", weights_only=False)
         )
         apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)  # a resume may change lr
+        if self.critic is not None:
+            load_critic(self.critic, folder, self.cfg)
 
     @property
     def _options(self) -> StateDictOptions:
