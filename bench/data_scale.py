@@ -1,7 +1,9 @@
 """Start-up time and host memory of the data layer at scale: a parquet of 20,000 rows with embedded images.
 
 Each case runs in a fresh process that builds the quickstart recipe's datasets and draws its first
-batch; it reports the seconds that took (after imports) and the process's peak RSS. Cases:
+batch; it reports the seconds that took (after imports), the process's peak RSS, and its resident
+memory at the end split into anonymous memory and file pages (the memory-mapped rows' page cache,
+which the kernel reclaims under pressure). Cases:
 - `quickstart`: the 2,048-row quickstart set (jsonl + png files);
 - `large, first run`: the large parquet with an empty `datasets` cache (converted and checked once);
 - `large, second run`: the same again (the cache is reused).
@@ -15,6 +17,7 @@ recipe on each set and reports that run's peak RSS.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -43,7 +46,10 @@ t1 = time.perf_counter()
 train, _ = build_datasets(cfg, processor, config)
 PromptLoader(train, cfg.data.train_batch_size, 0).next_batch()
 t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "data_s": t2 - t1, "rows": len(train), "peak_rss_gb": peak_rss_gb()}))
+status = dict(line.split(":") for line in open("/proc/self/status") if line.startswith(("RssAnon", "RssFile")))
+gib = {key: int(value.split()[0]) / 2**20 for key, value in status.items()}
+print(json.dumps({"import_s": t1 - t0, "data_s": t2 - t1, "rows": len(train), "peak_rss_gb": peak_rss_gb(),
+                  "anon_gb": gib["RssAnon"], "file_gb": gib["RssFile"]}))
 """
 
 
@@ -113,8 +119,9 @@ def probe(src: Path, cache: Path, args: list[str]) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def train_rss(src: Path, cache: Path, args: list[str], steps: int, run_dir: Path) -> float:
-    """Peak RSS (GiB) of `steps` training steps of the recipe, as the trainer logs it."""
+def train_rss(src: Path, cache: Path, args: list[str], steps: int, run_dir: Path) -> dict[str, float]:
+    """Peak RSS (GiB) of `steps` training steps of the recipe, as the trainer logs it, and the peaks of its
+    anonymous memory and of its file pages (the memory-mapped rows' page cache), sampled every 0.1 s."""
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(src), "HF_DATASETS_CACHE": str(cache)}
     command = [
@@ -126,9 +133,25 @@ def train_rss(src: Path, cache: Path, args: list[str], steps: int, run_dir: Path
         *args,
         f"trainer.total_steps={steps}",
     ]
-    subprocess.run(command, env=env, cwd=src, check=True, capture_output=True)
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    with subprocess.Popen(
+        command, env=env, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ) as run:
+        while run.poll() is None:
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{run.pid}/status").read_text().splitlines():
+                    key, _, value = line.partition(":")
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], int(value.split()[0]))
+            time.sleep(0.1)
+    if run.returncode:
+        raise RuntimeError(f"{' '.join(command)} exited {run.returncode}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return max(r.get("memory/peak_rss_gb", 0.0) for r in records)
+    return {
+        "train_peak_rss_gb": max(r.get("memory/peak_rss_gb", 0.0) for r in records),
+        "train_anon_gb": peaks["RssAnon"] / 2**20,
+        "train_file_gb": peaks["RssFile"] / 2**20,
+    }
 
 
 def main() -> None:
@@ -161,16 +184,20 @@ def main() -> None:
             if args.train_steps:
                 if cold:  # the training run starts from the same cache state as the probe did
                     shutil.rmtree(cache, ignore_errors=True)
-                result["train_peak_rss_gb"] = train_rss(src, cache, run_args, args.train_steps, work / "run")
+                result.update(train_rss(src, cache, run_args, args.train_steps, work / "run"))
             results.append({"loader": label, "case": case, **result})
             print(json.dumps(results[-1]))
     print(
-        f"\n{'loader':<9} {'case':<18} {'rows':>6} {'data start-up s':>16} {'peak RSS GiB':>13} {'train RSS GiB':>14}"
+        f"\n{'loader':<9} {'case':<18} {'rows':>6} {'data start-up s':>16} {'peak RSS GiB':>13} "
+        f"{'anon / file GiB':>16} {'train peak RSS GiB':>19} {'train peak anon / file':>23}"
     )
     for r in results:
         train = f"{r['train_peak_rss_gb']:.2f}" if "train_peak_rss_gb" in r else "-"
+        train_split = f"{r['train_anon_gb']:.2f} / {r['train_file_gb']:.2f}" if "train_anon_gb" in r else "-"
+        split = f"{r['anon_gb']:.2f} / {r['file_gb']:.2f}"
         print(
-            f"{r['loader']:<9} {r['case']:<18} {r['rows']:>6} {r['data_s']:>16.2f} {r['peak_rss_gb']:>13.2f} {train:>14}"
+            f"{r['loader']:<9} {r['case']:<18} {r['rows']:>6} {r['data_s']:>16.2f} {r['peak_rss_gb']:>13.2f} "
+            f"{split:>16} {train:>19} {train_split:>23}"
         )
     if args.out:
         args.out.write_text(json.dumps({"results": results, **provenance(load)}, indent=2))
