@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import QUICKSTART, REPO, make_workspace, provenance
+from common import QUICKSTART, REPO, data_overrides, make_workspace, provenance
 
 IMAGE_SIZE = 112
 PROBE = """
@@ -91,18 +91,9 @@ def write_large(data_dir: Path, rows: int, out: Path) -> Path:
     return out
 
 
-def overrides(model_dir: Path, train: Path, run_dir: Path) -> list[str]:
-    return [
-        f"model.path={model_dir}",
-        f"data.train_files={train}",
-        "data.val_files=[]",
-        f"trainer.output_dir={run_dir}",
-        "trainer.val_every=0",
-        "trainer.val_before_train=false",
-        "trainer.save_every=0",
-        "trainer.loggers=[jsonl]",
-        "trainer.progress=false",
-    ]
+def overrides(model_dir: Path, data_dir: Path, train: Path, run_dir: Path) -> list[str]:
+    """The benchmarks' usual overrides (`common.data_overrides`), training on `train`."""
+    return [*data_overrides(model_dir, data_dir, run_dir, IMAGE_SIZE), f"data.train_files={train}"]
 
 
 def probe(src: Path, cache: Path, args: list[str]) -> dict[str, float]:
@@ -177,7 +168,7 @@ def main() -> None:
             ("large, second run", large, False),
         ]
         for case, train, cold in cases:
-            run_args = overrides(model_dir, train, work / "run")
+            run_args = overrides(model_dir, data_dir, train, work / "run")
             if cold:
                 shutil.rmtree(cache, ignore_errors=True)
             result = probe(src, cache, run_args)
