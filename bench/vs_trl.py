@@ -25,6 +25,18 @@ Then:
         --repeats 3 --out bench/results/vs_trl.json
     bench/.venv/bin/python bench/vs_trl.py --batch 32 --n 8 --steps 100 --repeats 1 --seed 2  # learning
     bench/.venv/bin/python bench/vs_trl.py --check-update --batch 32 --n 8 --steps 3
+
+`--shape realistic` swaps the tiny model for a random-init Qwen2.5-VL of the same family at 108.6 M
+parameters (language model 768 wide, 12 layers; vision tower 6.3 M, 256 wide, 4 layers), 448 px images
+(256 visual tokens), 2 prompts x n=4 with up to 256 new tokens, 3 steps, 2 repeats, lr 1e-6 and no
+format warm-up; it runs three systems, alternating: mmrl packed (`actor.padding_free=true`), TRL, and
+mmrl padded. A random-init model's next-token distribution is near uniform, so it would end a
+response with probability 1/vocab per token and most responses would reach the cap; the
+`<|im_end|>` embedding row is scaled by `--eos-scale` (7; tied, so its logit's spread grows) to give
+a real spread of lengths, which each run reports (min / median / max over its samples). Gradient
+checkpointing is off on both sides unless `--gradient-checkpointing` (TRL's own default is on).
+
+    bench/.venv/bin/python bench/vs_trl.py --shape realistic --threads 1 --out bench/results/vs_trl_realistic.json
 """
 
 from __future__ import annotations
@@ -55,18 +67,74 @@ from common import (
 from mmrl.logger import peak_rss_gb
 
 SYSTEMS = ("mmrl", "trl")
+# mmrl with its actor's padding removed (packed) against mmrl padded: `--systems mmrl,trl,mmrl-padded`.
+VARIANTS = {"mmrl-padded": ("mmrl", ["actor.padding_free=false", "actor.max_tokens_per_micro_batch=null"])}
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "batch": 8,
+        "n": 4,
+        "max_new_tokens": 8,
+        "image_size": 112,
+        "steps": 10,
+        "repeats": 3,
+        "lr": 1e-3,
+        "warmup_steps": 40,
+        "systems": "mmrl,trl",
+        "mmrl_override": [],
+    },
+    # 2 prompts x n=4 at up to 256 new tokens: a step is about a minute per system on one CPU thread.
+    "realistic": {
+        "batch": 2,
+        "n": 4,
+        "max_new_tokens": 256,
+        "image_size": 448,
+        "steps": 3,
+        "repeats": 2,
+        "lr": 1e-6,
+        "warmup_steps": 0,
+        "systems": "mmrl,trl,mmrl-padded",
+        "mmrl_override": ["actor.padding_free=true"],
+    },
+}
+# The realistic shape's sizes over the tiny Qwen2.5-VL config (head_dim 64: mrope_section sums to 32).
+REALISTIC_TEXT = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+}
+REALISTIC_VISION = {
+    "depth": 4,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_heads": 4,
+    "out_hidden_size": 768,
+    "window_size": 112,
+    "fullatt_block_indexes": [3],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=8, help="prompts per step")
-    p.add_argument("--n", type=int, default=4, help="responses per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--image-size", type=int, default=112)
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per system")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=40, help="shared format warm-up before RL")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="tiny", help="model size and defaults below")
+    p.add_argument("--batch", type=int, default=None, help="prompts per step")
+    p.add_argument("--n", type=int, default=None, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument("--repeats", type=int, default=None, help="runs per system")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None, help="shared format warm-up before RL")
+    p.add_argument(
+        "--systems", default=None, help=f"comma-separated, alternating: {SYSTEMS + tuple(VARIANTS)}"
+    )
+    p.add_argument(
+        "--mmrl-override", action="append", default=None, help="extra mmrl config override (repeatable)"
+    )
+    p.add_argument("--eos-scale", type=float, default=7.0, help="realistic shape: <|im_end|> row scale")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
     p.add_argument("--seed", type=int, default=1, help="seeds the shared warm-up and both systems")
     p.add_argument("--window", type=int, default=20, help="steps per window of the printed trajectories")
     p.add_argument(
@@ -77,18 +145,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--workdir", type=Path, default=None, help="reuse a folder (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    p.add_argument("--role", choices=("parent", *SYSTEMS, "replay"), default="parent", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--role", choices=("parent", *SYSTEMS, *VARIANTS, "replay"), default="parent", help=argparse.SUPPRESS
+    )
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.systems = args.systems.split(",") if isinstance(args.systems, str) else args.systems
+    unknown = set(args.systems) - set(SYSTEMS) - set(VARIANTS)
+    if unknown or not {"mmrl", "trl"} <= set(args.systems):
+        p.error(f"--systems needs mmrl and trl, and knows only {SYSTEMS + tuple(VARIANTS)}")
+    return args
 
 
 # ------------------------------------------------------------------ shared set-up (parent)
 def prepare(args: argparse.Namespace, root: Path) -> Path:
-    """Tiny model + colour data, then one format warm-up; returns the shared starting checkpoint."""
+    """Tiny (or realistic) model + colour data, then one format warm-up; returns the shared starting
+    checkpoint."""
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
     from mmrl.warmup import format_warmup
 
+    if args.shape == "realistic" and not (root / "tiny-model" / "config.json").exists():
+        build_realistic(root / "tiny-model", args.image_size, args.eos_scale)
     model_dir, data_dir = make_workspace(root, max(512, args.batch * args.steps), args.image_size)
     start = root / "start-model"
     if (start / "config.json").exists():
@@ -112,12 +193,54 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
     return start
 
 
+def build_realistic(out: Path, image_size: int, eos_scale: float) -> None:
+    """The realistic shape's random-init Qwen2.5-VL; prints its parameter count."""
+    from safetensors.torch import load_file, save_file
+
+    from mmrl.models import build_tiny
+
+    build_tiny(out, max_pixels=image_size**2, text=REALISTIC_TEXT, vision=REALISTIC_VISION)
+    eos = json.loads((out / "config.json").read_text())["text_config"]["eos_token_id"]  # <|im_end|>
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    (embed,) = [k for k in tensors if k.endswith("embed_tokens.weight")]  # tied: the output row too
+    tensors[embed][eos] *= eos_scale
+    save_file(tensors, weights, metadata={"format": "pt"})
+    count = sum(t.numel() for t in tensors.values())
+    vision = sum(t.numel() for k, t in tensors.items() if "visual." in k)
+    print(
+        f"realistic model: {count / 1e6:.1f} M parameters ({vision / 1e6:.1f} M in the vision tower), float32"
+    )
+
+
+def lengths_summary(lengths: list[int]) -> dict[str, float]:
+    """Min / median / max / mean response length over a run's samples."""
+    return {
+        "min": min(lengths),
+        "median": median(lengths),
+        "max": max(lengths),
+        "mean": sum(lengths) / len(lengths),
+        "samples": len(lengths),
+    }
+
+
 # ------------------------------------------------------------------ mmrl (child)
-def run_mmrl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def run_mmrl(args: argparse.Namespace, root: Path, extra: list[str] | None = None) -> dict[str, Any]:
     """GRPO steps through mmrl's Trainer; timings from its metrics.jsonl."""
     from mmrl.config import load_config
     from mmrl.logger import read_metrics
+    from mmrl.rollout.hf import HFEngine
     from mmrl.trainer import Trainer
+
+    lengths: list[int] = []
+    generate = HFEngine.generate
+
+    def generate_and_count(self: Any, prompts: list, params: Any) -> Any:
+        batch = generate(self, prompts, params)
+        lengths.extend(batch["response_mask"].sum(dim=1).tolist())
+        return batch
+
+    HFEngine.generate = generate_and_count  # type: ignore[method-assign]
 
     run_dir = root / f"mmrl-{time.time_ns()}"
     overrides = [
@@ -143,6 +266,9 @@ def run_mmrl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "warmup.steps=0",
         f"trainer.total_steps={args.steps}",
         f"trainer.seed={args.seed}",
+        f"model.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+        *args.mmrl_override,
+        *(extra or []),
     ]
     cfg = load_config(QUICKSTART, overrides)
     t0 = time.perf_counter()
@@ -161,6 +287,7 @@ def run_mmrl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "response_length": [r["response_length/mean"] for r in records],
         "phases_s": {k: median(v) for k, v in phases.items()},
         "train_wall_s": wall,
+        "lengths": lengths_summary(lengths),
     }
 
 
@@ -240,6 +367,7 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
+        gradient_checkpointing=args.gradient_checkpointing,
         beta=0.0,
         epsilon=0.2,
         loss_type="dapo",
@@ -270,6 +398,15 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         return out
 
     GRPOTrainer._tokenize_prompts = spy  # type: ignore[method-assign]
+    lengths: list[int] = []
+    score = GRPOTrainer._generate_and_score_completions
+
+    def score_and_count(self: Any, *a: Any, **k: Any) -> Any:
+        out = score(self, *a, **k)
+        lengths.extend(out["completion_mask"].sum(dim=1).tolist())
+        return out
+
+    GRPOTrainer._generate_and_score_completions = score_and_count  # type: ignore[method-assign]
 
     class StepTimer(TrainerCallback):
         """Wall time of each optimizer step, generation included."""
@@ -321,6 +458,7 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "train_wall_s": wall,
         "prompt_tokens": len(seen.get("prompt_ids", [])),
         "prompt_matches_mmrl": seen.get("prompt_ids") == expected,
+        "lengths": lengths_summary(lengths),
     }
 
 
@@ -447,8 +585,10 @@ def print_check(args: argparse.Namespace, result: dict[str, Any]) -> None:
 def child(args: argparse.Namespace) -> int:
     """One system's run; writes its result (with its own peak RSS) as JSON."""
     root = args.workdir
-    run = {"mmrl": run_mmrl, "trl": run_trl, "replay": check_update}[args.role]
-    result = run(args, root)
+    if args.role in VARIANTS:
+        result = run_mmrl(args, root, VARIANTS[args.role][1])
+    else:
+        result = {"mmrl": run_mmrl, "trl": run_trl, "replay": check_update}[args.role](args, root)
     result["peak_rss_gb"] = peak_rss_gb()
     args.result.write_text(json.dumps(result))
     return 0
@@ -469,10 +609,12 @@ def launch(args: argparse.Namespace, system: str, root: Path, index: int) -> dic
         str(root),
         *(
             f"--{k.replace('_', '-')}={getattr(args, k)}"
-            for k in ("batch", "n", "max_new_tokens", "image_size", "steps", "lr", "seed", "threads")
+            for k in ("shape", "batch", "n", "max_new_tokens", "image_size", "steps", "lr", "seed", "threads")
         ),
+        *(f"--mmrl-override={o}" for o in args.mmrl_override),
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
-    load_before = load_average()[0]
+    load_before = load_average()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -480,7 +622,8 @@ def launch(args: argparse.Namespace, system: str, root: Path, index: int) -> dic
         raise RuntimeError(f"{system} run {index} failed with exit code {proc.returncode}")
     result = json.loads(result_path.read_text())
     result["process_wall_s"] = time.perf_counter() - t0
-    result["load_avg"] = (load_before, load_average()[0])
+    result["load_avg"] = (load_before[0], load_average()[0])
+    result["load_avg_1_5_15"] = (load_before, load_average())
     return result
 
 
@@ -504,6 +647,13 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -
         }
     for system, rs in runs.items():
         out[system]["min_step_s"] = min(min(r["step_s"][1:] or r["step_s"]) for r in rs)
+    for system in [s for s in runs if s in VARIANTS]:
+        out[system]["update_speedup_of_packed"] = median(  # this variant's update time / packed mmrl's
+            [
+                b["phases_s"]["update"] / a["phases_s"]["update"]
+                for a, b in zip(runs["mmrl"], runs[system], strict=True)
+            ]
+        )
     m, t = out["mmrl"], out["trl"]
     # Each repeat's mmrl and TRL runs are neighbours in time, so their ratio cancels slow drifts
     # in the machine's load better than the ratio of the two medians does.
@@ -555,11 +705,26 @@ def print_table(args: argparse.Namespace, summary: dict[str, Any], runs: dict[st
                 c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
             )
         )
-    for system in SYSTEMS:
+    for system in runs:
         split = ", ".join(f"{p} {v:.3f}" for p, v in summary[system]["phases_s"].items())
         print(f"  {system} phases (s, median): {split}")
         loads = ", ".join(f"{a:.1f}->{b:.1f}" for a, b in (run["load_avg"] for run in runs[system]))
         print(f"  {system} 1-min load average per run: {loads}")
+    ratios = ", ".join(f"{x:.2f}x" for x in r["samples_per_s_pairwise"])
+    print(f"  samples/s mmrl/TRL per repeat: {ratios}")
+    for system in runs:
+        spread = "; ".join(
+            "/".join(f"{run['lengths'][q]:g}" for q in ("min", "median", "max")) for run in runs[system]
+        )
+        print(f"  {system} response length min/median/max per run: {spread}")
+    for system in [s for s in runs if s in VARIANTS]:
+        v = summary[system]
+        print(
+            f"  mmrl (packed) vs {system}: update {m['phases_s']['update']:.2f} s vs {v['phases_s']['update']:.2f} s "
+            f"(packed update speed-up, per-repeat median {v['update_speedup_of_packed']:.2f}x), peak RSS "
+            f"{m['peak_rss_gb']:.2f} vs {v['peak_rss_gb']:.2f} GiB, step {m['median_step_s']:.2f} vs "
+            f"{v['median_step_s']:.2f} s"
+        )
     trl_runs = runs["trl"]
     if trl_runs and not all(run.get("prompt_matches_mmrl") for run in trl_runs):
         print("  WARNING: TRL's prompt tokens differ from mmrl's")
@@ -591,7 +756,7 @@ def print_trajectories(args: argparse.Namespace, runs: dict[str, list[dict[str, 
     size = max(1, min(args.window, args.steps))
     bounds = [f"{i + 1}-{min(i + size, args.steps)}" for i in range(0, args.steps, size)]
     print(f"\nper-run means over steps {' / '.join(bounds)} (seed {args.seed}):")
-    for system in SYSTEMS:
+    for system in runs:
         for i, run in enumerate(runs[system]):
             for key in ("reward", "entropy", "response_length"):
                 values = " / ".join(f"{v:.3f}" for v in windows(run[key], size))
@@ -615,20 +780,27 @@ def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "threads",
             "window",
             "check_update",
+            "shape",
+            "systems",
+            "mmrl_override",
+            "eos_scale",
+            "gradient_checkpointing",
         )
     }
     if args.check_update:
         check = launch(args, "replay", root, 0)
         print_check(args, check)
         return {"config": config, "check_update": check, "machine": machine()}
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     for i in range(args.repeats):
-        for system in SYSTEMS:
+        for system in args.systems:
             result = launch(args, system, root, i)
             runs[system].append(result)
             print(
                 f"run {i + 1}/{args.repeats} {system}: median step {median(result['step_s'][1:]):.3f} s, "
-                f"peak RSS {result['peak_rss_gb']:.2f} GiB, load {result['load_avg'][0]:.1f}",
+                f"peak RSS {result['peak_rss_gb']:.2f} GiB, load {result['load_avg'][0]:.1f}, "
+                f"phases {', '.join(f'{k} {v:.2f}' for k, v in result['phases_s'].items())}, response lengths "
+                f"{', '.join(f'{k} {v:g}' for k, v in result['lengths'].items())}",
                 flush=True,
             )
     summary = summarise(args, runs)

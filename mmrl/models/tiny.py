@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen2TokenizerFast
@@ -101,11 +102,15 @@ def build_tiny(
     seed: int = 0,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-init tiny model of `family` (weights, tokenizer, processor) to `out_dir`.
 
     Pixel budgets default to 1 to 16 x 16 merged patches of the family's grid (28 px for Qwen2.5-VL,
-    32 px for Qwen3-VL), the range the synthetic tasks draw from."""
+    32 px for Qwen3-VL), the range the synthetic tasks draw from. `text` and `vision` replace
+    entries of the tiny text and vision configs (a larger random-init model of the same family for
+    benchmarks: `bench/vs_trl.py --shape realistic`)."""
     from mmrl.models.family import FAMILIES
     from mmrl.models.loading import save_model
 
@@ -124,8 +129,16 @@ def build_tiny(
         processor = cls.tiny_processor(
             tokenizer, min_pixels or factor**2, max_pixels or (16 * factor) ** 2, CHAT_TEMPLATE
         )
+    config = cls.tiny_config(tokenizer)
+    text_config = config.get_text_config()
+    for sub, sizes in ((text_config, text), (getattr(config, "vision_config", None), vision)):
+        for key, value in (sizes or {}).items():
+            setattr(sub, key, value)
+    types = getattr(text_config, "layer_types", None)
+    if types is not None and len(types) != text_config.num_hidden_layers:  # derived at construction
+        text_config.layer_types = [types[i % len(types)] for i in range(text_config.num_hidden_layers)]
     torch.manual_seed(seed)
-    model = cls.new_model(cls.tiny_config(tokenizer))
+    model = cls.new_model(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     save_model(model, processor, out)
