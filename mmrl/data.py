@@ -88,6 +88,8 @@ def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:
 STREAM_HEAD = 1000
 # Bump when `PromptDataset._text` changes what it checks: cached check results then no longer apply.
 CHECKS_VERSION = 1
+# Below this many rows the lazy checks of each batch cost less than a pass over all rows.
+CHECK_AHEAD_ROWS = 10_000
 # Rows per process in `check_rows`: below this, starting worker processes costs more than it saves.
 ROWS_PER_CHECK_PROCESS = 8192
 
@@ -286,7 +288,8 @@ class PromptDataset:
         key: str = "train_files",
     ) -> PromptDataset:
         """The dataset of `files`, data.`key` (train_files or val_files), read and keyed as the `data`
-        config section says. Memory-mapped rows are checked (`check_rows`); a streamed training set
+        config section says. Memory-mapped sets of `CHECK_AHEAD_ROWS` or more are checked ahead
+        (`check_rows`); a streamed training set
         (`data.streaming`) keeps its `stream` and holds only its first rows, read for the layout."""
         stream = RowStream(files) if cfg.streaming and key == "train_files" else None
         dataset = cls(
@@ -309,7 +312,7 @@ class PromptDataset:
             video_placeholder=video_placeholder,
         )
         dataset.stream = stream
-        if stream is None:
+        if stream is None and len(dataset) >= CHECK_AHEAD_ROWS:
             dataset.check_rows()
         return dataset
 

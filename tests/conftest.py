@@ -74,7 +74,7 @@ LONGEST_FIRST = (
     "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl",  # 260 s
     "test_learning_recipes.py",  # 5 runs, 125-205 s each
     "test_custom_reward_learning.py",  # 135 s
-    "faults/test_crash_resume.py",  # 90 s, one group
+    "faults/test_crash_resume.py",  # 90 s, one test over the three legs
     "faults/test_resources.py",  # 70 s
     "test_resume.py",  # one group
 )

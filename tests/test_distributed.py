@@ -95,7 +95,9 @@ def _two_worker_update(cfg, batch, plan):
         group.shutdown()
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+# Qwen3-VL-MoE runs the dense Qwen3-VL adapter's vision and text paths plus its experts, so it stands
+# for both (a minute of the suite's budget per case saved).
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_fsdp_workers_update_exactly_like_one_process(
     local_ray, tmp_path, tiny_family_dir, family, lora
@@ -221,6 +223,12 @@ def test_two_workers_critic_values_update_and_resume_like_one_process(
         saved = group.critic.state()
         group.critic.update(batch, second)
         continued = group.critic.state()
+        # The same workers load the checkpoint from disk (a fresh pair would cost the suite another
+        # start-up; the loading path is the one a resumed run takes).
+        group.load(folder)
+        assert all(torch.equal(v, saved[k]) for k, v in group.critic.state().items())
+        group.critic.update(batch, second)
+        again = group.critic.state()
     finally:
         group.shutdown()
 
@@ -230,14 +238,6 @@ def test_two_workers_critic_values_update_and_resume_like_one_process(
     worst = max(worst, *(float((saved[k] - v).abs().max()) for k, v in critic.model.state_dict().items()))
     assert worst < 1e-5, f"2 FSDP workers' critic differs from 1 process by {worst:.2e}"
 
-    resumed = PolicyGroup(cfg)
-    try:
-        resumed.load(folder)
-        assert all(torch.equal(v, saved[k]) for k, v in resumed.critic.state().items())
-        resumed.critic.update(batch, second)
-        again = resumed.critic.state()
-    finally:
-        resumed.shutdown()
     assert all(torch.equal(again[k], continued[k]) for k in continued)
 
 
