@@ -147,16 +147,16 @@ def _init_tiny(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from mmrl.synthetic import generate
     from mmrl.synthetic_geometry import DEFAULT_IMAGE_SIZE, generate_geometry
-    from mmrl.synthetic_video import generate_motion
+    from mmrl.synthetic_video import VIDEO_TASKS, generate_video
 
-    defaults = {"geometry": DEFAULT_IMAGE_SIZE, "motion": 112}
+    defaults = {"geometry": DEFAULT_IMAGE_SIZE, **dict.fromkeys(VIDEO_TASKS, 112)}
     size = args.image_size if args.image_size is not None else defaults.get(args.task, 56)
     options = {"n_train": args.n_train, "n_val": args.n_val, "seed": args.seed, "image_size": size}
     try:
         if args.task == "geometry":
             meta = generate_geometry(args.out_dir, **options)
-        elif args.task == "motion":
-            meta = generate_motion(args.out_dir, **options)
+        elif args.task in VIDEO_TASKS:
+            meta = generate_video(args.out_dir, task=args.task, **options)
         else:
             meta = generate(args.out_dir, task=args.task, **options)
     except ValueError as err:  # a bad --image-size or count: a usage error, not a crash
@@ -254,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument(
         "--task",
         default="color",
-        choices=[*sorted(TASKS), "geometry", "motion"],
-        help="geometry: labelled triangles, circles and angles with exact answers; motion: mp4 clips of a "
-        "moving dot (which direction?)",
+        choices=[*sorted(TASKS), "geometry", "recolor", "motion"],
+        help="geometry: labelled triangles, circles and angles with exact answers; recolor: mp4 clips of a "
+        "dot that changes colour (what colour at the end?); motion: mp4 clips of a moving dot (which way?)",
     )
     synth.add_argument("--n-train", type=int, default=2048)
     synth.add_argument("--n-val", type=int, default=128)
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--image-size",
         type=int,
         default=None,
-        help="pixels, a multiple of 28 (default: 56; geometry 224; motion 112)",
+        help="pixels, a multiple of 28 (default: 56; geometry 224; recolor and motion 112)",
     )
     synth.set_defaults(func=_synth)
     return parser

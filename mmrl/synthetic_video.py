@@ -1,8 +1,12 @@
-"""A seeded synthetic video task: which way does the dot move? Clips are written as mp4 (PyAV).
+"""Seeded synthetic video tasks, written as mp4 clips (PyAV). In both the answer exists only across frames.
 
-The answer exists only across frames: any single frame shows a dot somewhere, and only its motion
-over time says left, right, up or down. That makes it a real test of the temporal path (frame
-sampling, temporal patches, mRoPE's time axis), and a tiny model can learn it on a CPU in minutes.
+- `recolor`: what colour does the dot end as? It shows one colour in the first half of the clip and
+  another in the second, so a model that pools the frames without their order sees both colours
+  equally: only the time axis (temporal patches, mRoPE's time positions) tells them apart. The video
+  quickstart's task; a tiny model learns it with GRPO about as fast as the image colour task.
+- `motion`: which way does the dot move? Any single frame shows a dot somewhere; only the motion says
+  left, right, up or down. Harder: the tiny random-init model must learn to compare positions across
+  frames, which it does in a few hundred GRPO steps on some seeds and not on others.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from mmrl.synthetic import BACKGROUND, COLOURS, PATCH_MULTIPLE
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 QUESTION = "Which direction does the dot move? Answer left, right, up or down."
+DOT_COLOURS = ("red", "blue", "green", "purple")
+RECOLOR_QUESTION = "The dot changes colour. What colour is it at the end? Answer red, blue, green or purple."
 
 
 def render_clip(rng: np.random.Generator, size: int, frames: int, direction: str) -> np.ndarray:
@@ -28,7 +34,7 @@ def render_clip(rng: np.random.Generator, size: int, frames: int, direction: str
     start = rng.integers(radius + 1, size - radius - 1, 2).astype(float)
     start[0] = radius + 1 if dx > 0 else size - radius - 1 if dx < 0 else start[0]
     start[1] = radius + 1 if dy > 0 else size - radius - 1 if dy < 0 else start[1]
-    colour = np.array(COLOURS[("red", "blue", "green", "purple")[int(rng.integers(4))]], dtype=np.uint8)
+    colour = np.array(COLOURS[DOT_COLOURS[int(rng.integers(len(DOT_COLOURS)))]], dtype=np.uint8)
     yy, xx = np.mgrid[:size, :size]
     clip = np.empty((frames, size, size, 3), dtype=np.uint8)
     for t in range(frames):
@@ -36,6 +42,29 @@ def render_clip(rng: np.random.Generator, size: int, frames: int, direction: str
         clip[t] = BACKGROUND
         clip[t][(xx - x) ** 2 + (yy - y) ** 2 <= radius**2] = colour
     return clip
+
+
+def render_recolor_clip(rng: np.random.Generator, size: int, frames: int, final: str) -> np.ndarray:
+    """(frames, size, size, 3) uint8: a still disc in another colour for the first half, `final` after.
+    The disc is two thirds of the frame across: at a fifth (the motion task's dot) the tiny model's GRPO
+    run was still at chance after 100 steps."""
+    radius = size // 3
+    x, y = rng.integers(radius + 1, size - radius - 1, 2)
+    first = rng.choice([c for c in DOT_COLOURS if c != final])
+    yy, xx = np.mgrid[:size, :size]
+    disc = (xx - x) ** 2 + (yy - y) ** 2 <= radius**2
+    clip = np.empty((frames, size, size, 3), dtype=np.uint8)
+    for t in range(frames):
+        clip[t] = BACKGROUND
+        clip[t][disc] = COLOURS[first if t < frames // 2 else final]
+    return clip
+
+
+# task -> (question, answers, the clip renderer)
+VIDEO_TASKS = {
+    "motion": (QUESTION, tuple(DIRECTIONS), render_clip),
+    "recolor": (RECOLOR_QUESTION, DOT_COLOURS, render_recolor_clip),
+}
 
 
 def write_mp4(path: Path, clip: np.ndarray, fps: int) -> None:
@@ -52,7 +81,7 @@ def write_mp4(path: Path, clip: np.ndarray, fps: int) -> None:
         container.mux(stream.encode())
 
 
-def generate_motion(
+def generate_video(
     out_dir: str | Path,
     n_train: int = 512,
     n_val: int = 64,
@@ -60,9 +89,11 @@ def generate_motion(
     image_size: int = 112,
     frames: int = 4,
     fps: int = 2,
+    task: str = "recolor",
 ) -> dict[str, Any]:
     """Write `videos/<split>_<index>.mp4`, `train.jsonl`, `val.jsonl` and `meta.json` (EasyR1 layout
-    with a `videos` column); answers are balanced across the four directions in each split."""
+    with a `videos` column) for video `task` (`VIDEO_TASKS`); answers are balanced in each split."""
+    question, answers, render = VIDEO_TASKS[task]
     if image_size % PATCH_MULTIPLE:
         raise ValueError(f"image_size must be a multiple of {PATCH_MULTIPLE}, got {image_size}")
     out = Path(out_dir)
@@ -70,15 +101,15 @@ def generate_motion(
     histogram = {}
     for index, (split, n) in enumerate((("train", n_train), ("val", n_val))):
         rng = np.random.default_rng([seed, index])
-        labels = [list(DIRECTIONS)[i % len(DIRECTIONS)] for i in range(n)]
+        labels = [answers[i % len(answers)] for i in range(n)]
         labels = [labels[i] for i in rng.permutation(n)]
         lines = []
         for i, answer in enumerate(labels):
             rel = f"videos/{split}_{i:06d}.mp4"
-            write_mp4(out / rel, render_clip(rng, image_size, frames, answer), fps)
+            write_mp4(out / rel, render(rng, image_size, frames, answer), fps)
             row = {
                 "id": f"{split}-{i:06d}",
-                "problem": f"<video>{QUESTION}",
+                "problem": f"<video>{question}",
                 "answer": answer,
                 "videos": [rel],
             }
@@ -86,15 +117,15 @@ def generate_motion(
         (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
         histogram[split] = dict(Counter(labels))
     meta = {
-        "task": "motion",
-        "question": QUESTION,
+        "task": task,
+        "question": question,
         "seed": seed,
         "image_size": image_size,
         "frames": frames,
         "fps": fps,
         "n_train": n_train,
         "n_val": n_val,
-        "answers": list(DIRECTIONS),
+        "answers": list(answers),
         "answer_histogram": histogram,
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

@@ -67,15 +67,15 @@ def tiny_family_dir(tmp_path_factory: pytest.TempPathFactory):
 
 # Minutes-long tests go first, longest first: under `pytest -n` a long test that starts last runs alone on
 # one core while the other idles. Seconds are one test's time on a 2-core machine with the other core busy
-# (2026-11-24, `--durations`); a test that matches no entry is short.
+# (2026-11-25, `--durations`); a test that matches no entry is short.
 LONGEST_FIRST = (
-    "test_learning.py::test_video_quickstart",  # 450 s
-    "test_vla_learning.py",  # 310 s
-    "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl",  # 260 s
-    "test_learning_recipes.py",  # 5 runs, 125-205 s each
-    "test_custom_reward_learning.py",  # 135 s
+    "test_vla_learning.py",  # 340 s
+    "test_learning.py::test_video_quickstart",  # 260 s
+    "test_learning_recipes.py",  # 5 runs, 140-230 s each
+    "test_custom_reward_learning.py",  # 150 s
+    "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl",  # 140 s
     "faults/test_crash_resume.py",  # 90 s, one test over the three legs
-    "faults/test_resources.py",  # 70 s
+    "faults/test_resources.py",  # 90 s
     "test_resume.py",  # one group
 )
 

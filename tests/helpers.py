@@ -17,7 +17,7 @@ from mmrl.config import Config, load_config
 from mmrl.data import PromptSample
 from mmrl.optim import UpdateStats, plan_minibatches
 from mmrl.synthetic import generate
-from mmrl.synthetic_video import QUESTION, generate_motion
+from mmrl.synthetic_video import QUESTION, generate_video
 from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=112 * 112)
@@ -47,7 +47,7 @@ def mixed_prompts(processor, with_text_only: bool = True) -> list[PromptSample]:
 def mixed_media_rows(root: Path) -> Path:
     """Image, video, image+video and text-only rows, then three rows with broken videos."""
     generate(root / "img", task="color", n_train=2, n_val=0, seed=0, image_size=56)
-    generate_motion(root / "vid", n_train=2, n_val=0, seed=0, image_size=56)
+    generate_video(root / "vid", n_train=2, n_val=0, seed=0, image_size=56, task="motion")
     image, video = "img/images/train_000000.png", "vid/videos/train_000000.mp4"
     shutil.copy(root / "vid/videos/train_000001.mp4", root / "truncated.mp4")
     data = (root / "truncated.mp4").read_bytes()

@@ -20,8 +20,8 @@ def test_quickstart_recipe_learns_with_two_fsdp_workers(local_ray, tmp_path, tin
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_video_quickstart_learns_which_way_the_dot_moves(tmp_path, tiny_model_dir) -> None:
-    """From chance (1/4): the answer is only in the motion across frames."""
+def test_video_quickstart_learns_the_colour_a_dot_ends_as(tmp_path, tiny_model_dir) -> None:
+    """From chance (1/4): the dot shows two colours, and only the frames' order says which is the last."""
     val = _learns("video", tmp_path, tiny_model_dir)
     assert val[0][1] == pytest.approx(0.25, abs=0.1), f"should start at chance: {val}"
     gallery_page = tmp_path / "run" / "gallery" / f"step_{RUNS['video'].steps:08d}.html"
@@ -32,11 +32,10 @@ def test_video_quickstart_learns_which_way_the_dot_moves(tmp_path, tiny_model_di
 @pytest.mark.timeout(1500)
 def test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl(tmp_path, tiny_family_dir) -> None:
     """The quickstart's recipe with Qwen3-VL's architecture (DeepStack features, 32-pixel grid,
-    interleaved mRoPE): from chance to 0.8 held-out accuracy or more (1.00 in each of the four runs
-    measured), writing its reward curve and a validation gallery. The recipe's Qwen2.5-VL runs learn in
-    test_quickstart_recipe_learns_with_two_fsdp_workers and tests/test_learning_recipes.py."""
-    val = _learns("qwen3_vl", tmp_path, tiny_family_dir("qwen3_vl"))
-    assert val[-1][1] >= 0.8, f"qwen3_vl: validation accuracy went {val}"
+    interleaved mRoPE) learns from chance, writing its reward curve and a validation gallery. The
+    recipe's Qwen2.5-VL runs learn in test_quickstart_recipe_learns_with_two_fsdp_workers and
+    tests/test_learning_recipes.py."""
+    _learns("qwen3_vl", tmp_path, tiny_family_dir("qwen3_vl"))
     steps = RUNS["qwen3_vl"].steps
     run = tmp_path / "run"
     assert (run / "reward_curve.png").stat().st_size > 0
@@ -46,8 +45,8 @@ def test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl(tmp_path, tiny_fam
 
 
 def _learns(name: str, tmp_path, model_dir) -> list[tuple[int, float]]:
-    """Train run `name`; validation accuracy must start near chance (1/6 for colours, 1/4 for motion) and
-    rise by the run's `min_gain`."""
+    """Train run `name`; validation accuracy must start near chance (1/6 for the colour task, 1/4 for the
+    video's) and rise by the run's `min_gain`."""
     run = RUNS[name]
     val = validations(train(name, tmp_path, model_dir))
     (first_step, first), (last_step, last) = val[0], val[-1]

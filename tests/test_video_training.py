@@ -13,7 +13,7 @@ from mmrl.actor import forward_logprobs
 from mmrl.config import load_config
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.synthetic_video import QUESTION, generate_motion
+from mmrl.synthetic_video import QUESTION, generate_video
 from mmrl.trainer import build_datasets
 
 
@@ -60,7 +60,7 @@ def test_responses_after_a_long_video_continue_where_generation_put_them(tmp_pat
     after it. transformers' generation still continues after the last prompt token (not at 1 + the
     largest id, as vLLM would); the trainer places the response there too, or its log-probs would be
     of another sequence."""
-    generate_motion(tmp_path / "vid", n_train=2, n_val=0, seed=0, image_size=56, frames=16)
+    generate_video(tmp_path / "vid", n_train=2, n_val=0, seed=0, image_size=56, frames=16, task="motion")
     row = {"problem": f"{QUESTION}<video>", "answer": "left", "videos": ["vid/videos/train_000000.mp4"]}
     (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
     overrides = [
