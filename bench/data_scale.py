@@ -36,7 +36,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import datasets  # about a second (pandas), paid once per process whichever loader runs: not counted
 from mmrl.config import load_config
-from mmrl.data import PromptLoader
+from mmrl.loaders import PromptLoader
 from mmrl.logger import peak_rss_gb
 from mmrl.models import load_config as model_config, load_processor
 from mmrl.trainer import build_datasets

@@ -29,7 +29,7 @@ from common import (
 
 from mmrl.logger import peak_rss_gb
 
-PHASES = ("rollout", "reward", "old_logprobs", "ref", "advantage", "update", "sync")
+PHASES = ("data", "rollout", "reward", "old_logprobs", "ref", "advantage", "update", "sync")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

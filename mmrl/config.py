@@ -160,7 +160,14 @@ class VLLMConfig(_Section):
     enforce_eager: bool = Field(False, description="Skip CUDA graphs: slower decoding, faster start")
     tensor_parallel_size: int = Field(1, gt=0)
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (GPUs use the memory share)")
-    sleep_between_rollouts: bool = Field(True, description="Free the KV cache while training (CUDA only)")
+    sleep_between_rollouts: bool = Field(
+        True, description="Give the engine's GPU memory back while training (CUDA only; no-op on CPU)"
+    )
+    sleep_level: Literal[1, 2] = Field(
+        2,
+        description="1: free the KV cache and move the weights to host memory; 2: free both (the weights "
+        "come back from the policy at the next sync, so no host copy is kept)",
+    )
     verify_sync_every: int = Field(
         10, ge=0, description="Check vLLM's log-probs against the trainer's every N weight syncs; 0 never"
     )

@@ -10,7 +10,8 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from mmrl.data import PromptLoader, PromptSample, StreamLoader
+from mmrl.data import PromptSample
+from mmrl.loaders import PromptLoader, StreamLoader
 
 
 class PrefetchLoader:

@@ -39,9 +39,10 @@ from mmrl.algorithms import (
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError
 from mmrl.critic import Critic, build_critic, critic_plan, needs_critic, value_model
-from mmrl.data import PreparedRows, PromptDataset, image_budget, make_loader
+from mmrl.data import PreparedRows, PromptDataset, image_budget
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
+from mmrl.loaders import make_loader
 from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
 from mmrl.lora import apply_lora
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
@@ -299,11 +300,11 @@ class Trainer:
 
     def _scored_rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
         """Generate for the loader's next prompts and score them, overlong shaping included."""
-        with timer("rollout"):
+        with timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
             prompts = self.loader.next_batch()  # data without a usable row is no engine failure
-            with self._engine_errors("rollout"):
-                batch = self.engine.generate(prompts, self.train_sampling)
-                self.engine.sleep()
+        with timer("rollout"), self._engine_errors("rollout"):
+            batch = self.engine.generate(prompts, self.train_sampling)
+            self.engine.sleep()
         with timer("reward"):
             scores, metrics = self.score(batch, prefix="reward")
         algo = self.cfg.algorithm

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from mmrl.config import ConfigError, DataConfig
-from mmrl.data import PromptDataset, PromptLoader, StreamLoader, make_loader, read_rows
+from mmrl.data import PromptDataset, read_rows
+from mmrl.loaders import PromptLoader, StreamLoader, make_loader
 from mmrl.models import load_processor
 from mmrl.prefetch import PrefetchLoader
 from processors import PixelBudget, num_image_tokens

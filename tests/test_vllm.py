@@ -326,6 +326,91 @@ def test_host_memory_stays_flat_over_generate_and_sync_cycles(engine) -> None:
     assert growth < 30, f"RSS grew {growth:.0f} MB over 30 generate+sync cycles"
 
 
+class _SleepRecorder:
+    """The real engine with its sleep calls recorded instead of made: vLLM's sleep mode exists only on
+    CUDA (`is_sleep_mode_available()` is False on CPU), so this stands in for those two calls alone.
+    Everything else (weight reloads, cache resets, generation) goes to the real engine and is logged."""
+
+    def __init__(self, llm) -> None:
+        self._llm, self.calls = llm, []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None) -> None:
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._llm, name)
+        if name in ("collective_rpc", "reset_prefix_cache"):
+            self.calls.append((name, None))
+        return attr
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleeping_engine_wakes_in_order_and_generates_with_the_policys_weights(
+    engine, monkeypatch, level: int
+) -> None:
+    """Level 2 frees the weights: the weight buffers come back, the policy's weights are streamed in, and
+    only then the KV cache, so training memory, weights and KV cache never peak together. Level 1 keeps
+    the weights and wakes whole. The first sync after waking is verified against the trainer's log-probs.
+    """
+    recorder = _SleepRecorder(engine.llm)
+    monkeypatch.setattr(engine, "llm", recorder)
+    monkeypatch.setattr(engine, "can_sleep", True)
+    monkeypatch.setattr(engine, "syncs", 0)
+    monkeypatch.setattr(
+        engine, "settings", engine.settings.model_copy(update={"sleep_level": level, "verify_sync_every": 1})
+    )
+    prompts = mixed_prompts(load_processor(engine.model.name_or_path))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, logprobs=True)
+
+    engine.sleep()
+    engine.sleep()  # already asleep: nothing more
+    engine.generate(prompts, params)
+    reload = ("collective_rpc", None)
+    if level == 2:
+        woke = [("sleep", 2), ("wake_up", ("weights",)), reload, ("wake_up", ("kv_cache",))]
+        assert recorder.calls[:5] == [*woke, ("reset_prefix_cache", None)], recorder.calls
+        assert engine.syncs == 1, "waking from level 2 is a weight sync (verified: the weights arrived)"
+    else:
+        assert recorder.calls == [("sleep", 1), ("wake_up", None)], recorder.calls
+    recorder.calls.clear()
+    engine.sleep()
+    engine.sync_weights()  # after an update: the usual order
+    expected = (
+        [("sleep", 2), ("wake_up", ("weights",)), reload, ("wake_up", ("kv_cache",))]
+        if level == 2
+        else [("sleep", 1), ("wake_up", None), reload]
+    )
+    assert recorder.calls[: len(expected)] == expected, recorder.calls
+    assert not engine._asleep
+
+
+@pytest.mark.gpu
+def test_level_2_sleep_gives_the_gpu_memory_back_and_wakes_with_the_weights(tiny_model_dir) -> None:
+    """On a GPU: what the engine took comes back while it sleeps (weights and KV cache), and after waking
+    its log-probs match the trainer's."""
+    free = lambda: torch.cuda.mem_get_info()[0]  # noqa: E731
+    before = free()
+    model = load_policy(tiny_model_dir).cuda().eval()
+    settings = VLLMConfig(max_model_len=512, gpu_memory_utilization=0.3, sleep_level=2, verify_sync_every=1)
+    gpu = make_engine(
+        "vllm",
+        model,
+        load_processor(tiny_model_dir),
+        torch.bfloat16,
+        model_path=tiny_model_dir,
+        vllm=settings,
+        pixels=(BUDGET.min_pixels, BUDGET.max_pixels),
+    )
+    held = before - free()
+    gpu.sleep()
+    assert before - free() < 0.1 * held, f"asleep, the engine still holds {(before - free()) / 2**30:.2f} GiB"
+    gpu.sync_weights()  # wakes: weights, then the KV cache; verified against the trainer
+    gpu.generate(mixed_prompts(load_processor(tiny_model_dir)), SamplingParams(n=2, max_new_tokens=4))
+
+
 def test_training_with_the_vllm_engine(tmp_path, tiny_model_dir) -> None:
     data = tmp_path / "data"
     generate(data, task="color", n_train=16, n_val=8, seed=0, image_size=56)

@@ -110,6 +110,13 @@ class VLLMEngine:
             {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
         )
         self.can_sleep = settings.sleep_between_rollouts and current_platform.is_sleep_mode_available()
+        if settings.sleep_between_rollouts and not self.can_sleep:
+            log.info(
+                "rollout.vllm.sleep_between_rollouts: vLLM's sleep mode is CUDA-only, so on %s the engine "
+                "keeps its weights and KV cache (%s GB, rollout.vllm.kv_cache_gb) while training",
+                current_platform.device_type,
+                settings.kv_cache_gb,
+            )
         # Per-request seeds (drawn from the torch RNG) make sampling resume exactly. vLLM's CPU backend
         # cannot rewind a seeded generator when it splits a long prefill over several steps, so on CPU
         # requests use the engine's own RNG, seeded once from `seed`.
@@ -247,8 +254,15 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
     def sync_weights(self) -> None:
         """Stream the policy's current weights into vLLM, drop every cache computed with the old ones,
-        and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs."""
-        self._wake()
+        and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs.
+
+        After a level-2 sleep the engine's weight buffers come back first and its KV cache only once the
+        weights are in, so the policy, the engine's weights and its KV cache never share the GPU at once."""
+        weights_lost = self._asleep and self.settings.sleep_level == 2
+        if weights_lost:
+            self.llm.wake_up(tags=["weights"])
+        else:
+            self._wake()
         # LoRA: merge-and-sync. vLLM's own LoRA support would take the adapter alone, but it covers the
         # language model only; merging works for adapters anywhere, the vision tower included.
         self.llm.collective_rpc(
@@ -259,6 +273,9 @@ class VLLMEngine:
             self.llm.apply_model(_retie_lm_head)
         if self.family.mixture_of_experts:
             self.llm.apply_model(_repack_experts)
+        if weights_lost:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
         self.llm.llm_engine.reset_encoder_cache()  # vision features of the old weights
         self.llm.reset_prefix_cache()  # KV of the old weights
         every = self.settings.verify_sync_every
@@ -300,13 +317,21 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Free the KV cache while training runs, where the platform supports it (CUDA)."""
+        """Give the engine's GPU memory back while training runs, where the platform can (CUDA).
+        Level 1 frees the KV cache and keeps the weights in host memory; level 2 frees the weights too,
+        since the next sync brings the policy's anyway (`rollout.vllm.sleep_level`)."""
         if self.can_sleep and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.settings.sleep_level)
             self._asleep = True
 
     def _wake(self) -> None:
-        if self._asleep:
+        """Before generating: a level-2 sleep left no weights, so they come from the policy, as after an
+        update."""
+        if not self._asleep:
+            return
+        if self.settings.sleep_level == 2:
+            self.sync_weights()
+        else:
             self.llm.wake_up()
             self._asleep = False
 
