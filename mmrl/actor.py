@@ -8,6 +8,7 @@ flat for real 150k-token vocabularies.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -38,6 +39,8 @@ from mmrl.packing import pack, unpack
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad, vision_inputs
 from processors import TRANSFORMERS_RULE
+
+log = logging.getLogger("mmrl.actor")
 
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
@@ -312,6 +315,13 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
         raise ConfigError(
             f"actor.padding_free: {family.name} models have recurrent (Gated DeltaNet) layers that would "
             "carry their state from one packed sequence into the next; set it to false"
+        )
+    if cfg.actor.padding_free and next(model.parameters()).device.type == "cpu":
+        log.warning(
+            "actor.padding_free on a CPU: transformers keeps packed sequences apart there with a dense "
+            "block-diagonal mask over the whole pack, which costs more than the padding it saves (the "
+            "update ran at 0.60x the padded speed at a 108M-parameter shape, docs/benchmarks.md). On GPUs "
+            "flash-attention's varlen kernels skip the padding instead; here, padded is faster"
         )
     return Actor(
         model,

@@ -254,7 +254,8 @@ class ActorConfig(_OptimSection):
     padding_free: bool = Field(
         False,
         description="Actor, reference and critic forwards run each micro-batch's sequences packed into "
-        "one, without padding (no compute on pad tokens when response lengths vary); same log-probs",
+        "one, without padding (no compute on pad tokens when response lengths vary); same log-probs. For "
+        "GPUs (flash-attention varlen): on CPUs the dense mask costs more than the padding saved",
     )
     policy_loss: str = "ppo_clip"
     clip_ratio_low: float = Field(0.2, ge=0)

@@ -156,3 +156,19 @@ def test_qwen3_5_refuses_to_pack_since_its_recurrent_state_runs_across_rows(tiny
     )
     with pytest.raises(ConfigError, match=r"actor\.padding_free"):
         build_actor(cfg, model, pad_id, torch.float32)
+
+
+def test_packing_on_a_cpu_says_padded_is_faster_there(tiny_model_dir, caplog) -> None:
+    """On CPUs transformers keeps packed sequences apart with a dense mask, which costs more than the
+    padding saved: the run says so once, at start, and still packs."""
+    model = load_policy(tiny_model_dir)
+    pad_id = tokenizer_of(load_processor(tiny_model_dir)).pad_token_id
+    settings = {"model": {"path": "tiny"}, "data": {"train_files": ["rows.jsonl"]}}
+    with caplog.at_level("WARNING", logger="mmrl.actor"):
+        build_actor(Config.model_validate(settings), model, pad_id, torch.float32)
+        assert not caplog.records
+        actor = build_actor(
+            Config.model_validate({**settings, "actor": {"padding_free": True}}), model, pad_id, torch.float32
+        )
+    assert actor.cfg.padding_free
+    assert [r.getMessage() for r in caplog.records if "padded is faster" in r.getMessage()], caplog.text
