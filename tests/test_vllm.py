@@ -44,20 +44,24 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    model = load_policy(tiny_model_dir).eval()
-    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
+def _vllm_engine(model, model_dir, dtype: torch.dtype, settings: VLLMConfig) -> VLLMEngine:
     engine = make_engine(
         "vllm",
         model,
-        load_processor(tiny_model_dir),
-        torch.float32,
-        model_path=tiny_model_dir,
+        load_processor(model_dir),
+        dtype,
+        model_path=model_dir,
         vllm=settings,
         pixels=(BUDGET.min_pixels, BUDGET.max_pixels),
     )
     assert isinstance(engine, VLLMEngine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
+    engine = _vllm_engine(load_policy(tiny_model_dir).eval(), tiny_model_dir, torch.float32, settings)
     yield engine
     del engine
     gc.collect()
@@ -395,15 +399,7 @@ def test_level_2_sleep_gives_the_gpu_memory_back_and_wakes_with_the_weights(tiny
     before = free()
     model = load_policy(tiny_model_dir).cuda().eval()
     settings = VLLMConfig(max_model_len=512, gpu_memory_utilization=0.3, sleep_level=2, verify_sync_every=1)
-    gpu = make_engine(
-        "vllm",
-        model,
-        load_processor(tiny_model_dir),
-        torch.bfloat16,
-        model_path=tiny_model_dir,
-        vllm=settings,
-        pixels=(BUDGET.min_pixels, BUDGET.max_pixels),
-    )
+    gpu = _vllm_engine(model, tiny_model_dir, torch.bfloat16, settings)
     held = before - free()
     gpu.sleep()
     assert before - free() < 0.1 * held, f"asleep, the engine still holds {(before - free()) / 2**30:.2f} GiB"
