@@ -166,7 +166,7 @@ class VLLMConfig(_Section):
     sleep_level: Literal[1, 2] = Field(
         2,
         description="1: free the KV cache and move the weights to host memory; 2: free both (the weights "
-        "come back from the policy at the next sync, so no host copy is kept)",
+        "come back from the policy at the next sync, so no host copy of them is kept)",
     )
     verify_sync_every: int = Field(
         10, ge=0, description="Check vLLM's log-probs against the trainer's every N weight syncs; 0 never"

@@ -221,6 +221,8 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         timer = _Timer()
         batch, metrics = self.rollouts(timer)
+        with timer("rollout"), self._engine_errors("rollout"):
+            self.engine.sleep()  # after every generation round: waking from level 2 reloads the weights
         metrics.update(self._source_metrics(batch))
         if not len(batch):  # dynamic sampling kept no group and on_unfilled=continue: nothing to learn
             return metrics
@@ -304,7 +306,6 @@ class Trainer:
             prompts = self.loader.next_batch()  # data without a usable row is no engine failure
         with timer("rollout"), self._engine_errors("rollout"):
             batch = self.engine.generate(prompts, self.train_sampling)
-            self.engine.sleep()
         with timer("reward"):
             scores, metrics = self.score(batch, prefix="reward")
         algo = self.cfg.algorithm

@@ -140,6 +140,7 @@ class VLLMEngine:
         self.syncs = 0
         self._unchecked = {"image", "video"}  # media kinds whose placeholder expansion is still to check
         self._asleep = False
+        self._verified_level_2 = False  # the first reload after a level-2 sleep is always verified
 
     @staticmethod
     def _media_options(processor: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
@@ -255,11 +256,21 @@ class VLLMEngine:
     def sync_weights(self) -> None:
         """Stream the policy's current weights into vLLM, drop every cache computed with the old ones,
         and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs.
+        The first reload after a level-2 sleep is proved too, whatever the count: anything the policy
+        does not stream would be left as garbage there, not as the old weights."""
+        from_level_2 = self._load_policy_weights()
+        every = self.settings.verify_sync_every
+        if (every and self.syncs % every == 0) or (from_level_2 and not self._verified_level_2):
+            self.verify()
+            self._verified_level_2 = self._verified_level_2 or from_level_2
+        self.syncs += 1
 
-        After a level-2 sleep the engine's weight buffers come back first and its KV cache only once the
-        weights are in, so the policy, the engine's weights and its KV cache never share the GPU at once."""
-        weights_lost = self._asleep and self.settings.sleep_level == 2
-        if weights_lost:
+    def _load_policy_weights(self) -> bool:
+        """The policy's weights into the engine, awake afterwards; True when they came back from a level-2
+        sleep. Then the weight buffers come back first and the KV cache only once the weights are in, so
+        the policy, the engine's weights and its KV cache never share the GPU at once."""
+        from_level_2 = self._asleep and self.settings.sleep_level == 2
+        if from_level_2:
             self.llm.wake_up(tags=["weights"])
         else:
             self._wake()
@@ -273,15 +284,12 @@ class VLLMEngine:
             self.llm.apply_model(_retie_lm_head)
         if self.family.mixture_of_experts:
             self.llm.apply_model(_repack_experts)
-        if weights_lost:
+        if from_level_2:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.llm_engine.reset_encoder_cache()  # vision features of the old weights
         self.llm.reset_prefix_cache()  # KV of the old weights
-        every = self.settings.verify_sync_every
-        if every and self.syncs % every == 0:
-            self.verify()
-        self.syncs += 1
+        return from_level_2
 
     def verify(self, tolerance: float | None = None) -> float:
         """Max |log-prob difference| between vLLM and the trainer's forward on a short sampled probe;
@@ -325,12 +333,15 @@ class VLLMEngine:
             self._asleep = True
 
     def _wake(self) -> None:
-        """Before generating: a level-2 sleep left no weights, so they come from the policy, as after an
-        update."""
+        """Before generating: a level-2 sleep left no weights, so the policy's (unchanged since the last
+        sync) are loaded again; not counted as a sync. On workers this is a collective (each tensor is
+        gathered from the FSDP shards): it stays in step because every rank sleeps and generates together."""
         if not self._asleep:
             return
         if self.settings.sleep_level == 2:
-            self.sync_weights()
+            if self._load_policy_weights() and not self._verified_level_2:
+                self.verify()
+                self._verified_level_2 = True
         else:
             self.llm.wake_up()
             self._asleep = False

@@ -130,7 +130,6 @@ class EpisodeTrainer(Trainer):
                 invalid_penalty=self.cfg.env.invalid_penalty,
                 record=record,
             )
-            self.engine.sleep()
         return episodes
 
     def rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
