@@ -287,8 +287,8 @@ class PromptDataset:
     ) -> PromptDataset:
         """The dataset of `files`, data.`key` (train_files or val_files), read and keyed as the `data`
         config section says. Memory-mapped sets of `CHECK_AHEAD_ROWS` or more are checked ahead
-        (`check_rows`); a streamed training set
-        (`data.streaming`) keeps its `stream` and holds only its first rows, read for the layout."""
+        (`check_rows`); a streamed training set (`data.streaming`) keeps its `stream` and holds only its
+        first rows, read for the layout."""
         stream = RowStream(files) if cfg.streaming and key == "train_files" else None
         dataset = cls(
             read_rows(files) if stream is None else stream.head(STREAM_HEAD),

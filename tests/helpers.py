@@ -13,14 +13,33 @@ from PIL import Image
 
 from mmrl.actor import build_actor
 from mmrl.batch import Batch
-from mmrl.config import Config, load_config
+from mmrl.config import Config, VLLMConfig, load_config
 from mmrl.data import PromptSample
+from mmrl.models import load_processor
 from mmrl.optim import UpdateStats, plan_minibatches
+from mmrl.rollout import make_engine
 from mmrl.synthetic import generate
 from mmrl.synthetic_video import QUESTION, generate_video
 from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=112 * 112)
+
+
+def vllm_engine(model: Any, model_dir: Path, dtype: torch.dtype, settings: VLLMConfig) -> Any:
+    """A real vLLM engine over `model` (saved in `model_dir`) at the suite's pixel budget."""
+    from mmrl.rollout.vllm import VLLMEngine
+
+    engine = make_engine(
+        "vllm",
+        model,
+        load_processor(model_dir),
+        dtype,
+        model_path=model_dir,
+        vllm=settings,
+        pixels=(BUDGET.min_pixels, BUDGET.max_pixels),
+    )
+    assert isinstance(engine, VLLMEngine)
+    return engine
 
 
 def mixed_prompts(processor, with_text_only: bool = True) -> list[PromptSample]:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import BUDGET, mixed_media_dataset, mixed_prompts, update_once
+from helpers import BUDGET, mixed_media_dataset, mixed_prompts, update_once, vllm_engine
 from PIL import Image
 
 from mmrl.actor import Actor, forward_logprobs
@@ -22,7 +22,7 @@ from mmrl.data import PromptSample
 from mmrl.logger import read_metrics
 from mmrl.models import load_policy, load_processor
 from mmrl.optim import plan_minibatches
-from mmrl.rollout import HFEngine, SamplingParams, make_engine, resolve_engine
+from mmrl.rollout import HFEngine, SamplingParams, resolve_engine
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.synthetic import generate
@@ -44,24 +44,10 @@ pytestmark = [
 ]
 
 
-def _vllm_engine(model, model_dir, dtype: torch.dtype, settings: VLLMConfig) -> VLLMEngine:
-    engine = make_engine(
-        "vllm",
-        model,
-        load_processor(model_dir),
-        dtype,
-        model_path=model_dir,
-        vllm=settings,
-        pixels=(BUDGET.min_pixels, BUDGET.max_pixels),
-    )
-    assert isinstance(engine, VLLMEngine)
-    return engine
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     settings = VLLMConfig(max_model_len=512, enforce_eager=True, verify_sync_every=0)
-    engine = _vllm_engine(load_policy(tiny_model_dir).eval(), tiny_model_dir, torch.float32, settings)
+    engine = vllm_engine(load_policy(tiny_model_dir).eval(), tiny_model_dir, torch.float32, settings)
     yield engine
     del engine
     gc.collect()

@@ -7,11 +7,11 @@ import gc
 
 import pytest
 import torch
-from helpers import BUDGET, mixed_prompts
+from helpers import mixed_prompts, vllm_engine
 
 from mmrl.config import VLLMConfig
 from mmrl.models import load_policy, load_processor
-from mmrl.rollout import SamplingParams, make_engine
+from mmrl.rollout import SamplingParams
 from mmrl.rollout.vllm import vllm_available
 
 pytestmark = [
@@ -28,16 +28,7 @@ def test_level_2_sleep_gives_the_gpu_memory_back_and_wakes_with_the_weights(tiny
     model = load_policy(tiny_model_dir).cuda().eval()
     before = free()
     settings = VLLMConfig(max_model_len=512, gpu_memory_utilization=0.3, sleep_level=2, verify_sync_every=0)
-    processor = load_processor(tiny_model_dir)
-    engine = make_engine(
-        "vllm",
-        model,
-        processor,
-        torch.bfloat16,
-        model_path=tiny_model_dir,
-        vllm=settings,
-        pixels=(BUDGET.min_pixels, BUDGET.max_pixels),
-    )
+    engine = vllm_engine(model, tiny_model_dir, torch.bfloat16, settings)
     if not engine.can_sleep:
         pytest.skip("this vLLM build has no sleep mode here (a CPU build of vLLM picks the CPU platform)")
     held = before - free()
@@ -48,6 +39,6 @@ def test_level_2_sleep_gives_the_gpu_memory_back_and_wakes_with_the_weights(tiny
     )
     engine.sync_weights()  # wakes: weights, then the KV cache; verified against the trainer
     assert engine._verified_level_2
-    engine.generate(mixed_prompts(processor), SamplingParams(n=2, max_new_tokens=4))
+    engine.generate(mixed_prompts(load_processor(tiny_model_dir)), SamplingParams(n=2, max_new_tokens=4))
     del engine
     gc.collect()

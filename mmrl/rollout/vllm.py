@@ -255,20 +255,15 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
     def sync_weights(self) -> None:
         """Stream the policy's current weights into vLLM, drop every cache computed with the old ones,
-        and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs.
-        The first reload after a level-2 sleep is proved too, whatever the count: anything the policy
-        does not stream would be left as garbage there, not as the old weights."""
-        from_level_2 = self._load_policy_weights()
-        every = self.settings.verify_sync_every
-        if (every and self.syncs % every == 0) or (from_level_2 and not self._verified_level_2):
-            self.verify()
-            self._verified_level_2 = self._verified_level_2 or from_level_2
-        self.syncs += 1
+        and, on the first sync and every `verify_sync_every` after it, prove the sync by comparing log-probs."""
+        self._load_policy_weights(counted=True)
 
-    def _load_policy_weights(self) -> bool:
-        """The policy's weights into the engine, awake afterwards; True when they came back from a level-2
-        sleep. Then the weight buffers come back first and the KV cache only once the weights are in, so
-        the policy, the engine's weights and its KV cache never share the GPU at once."""
+    def _load_policy_weights(self, counted: bool) -> None:
+        """The policy's weights into the engine, awake afterwards. After a level-2 sleep the weight buffers
+        come back first and the KV cache only once the weights are in, so the policy, the engine's weights
+        and its KV cache never share the GPU at once; the first such reload is proved whatever the count
+        says, since anything the policy does not stream would be left as garbage, not as the old weights.
+        `counted`: a sync after an update (`sync_weights`), not a reload of unchanged weights on waking."""
         from_level_2 = self._asleep and self.settings.sleep_level == 2
         if from_level_2:
             self.llm.wake_up(tags=["weights"])
@@ -289,7 +284,12 @@ class VLLMEngine:
             self._asleep = False
         self.llm.llm_engine.reset_encoder_cache()  # vision features of the old weights
         self.llm.reset_prefix_cache()  # KV of the old weights
-        return from_level_2
+        every = self.settings.verify_sync_every
+        if (counted and every and self.syncs % every == 0) or (from_level_2 and not self._verified_level_2):
+            self.verify()
+            self._verified_level_2 = self._verified_level_2 or from_level_2
+        if counted:
+            self.syncs += 1
 
     def verify(self, tolerance: float | None = None) -> float:
         """Max |log-prob difference| between vLLM and the trainer's forward on a short sampled probe;
@@ -339,9 +339,7 @@ class VLLMEngine:
         if not self._asleep:
             return
         if self.settings.sleep_level == 2:
-            if self._load_policy_weights() and not self._verified_level_2:
-                self.verify()
-                self._verified_level_2 = True
+            self._load_policy_weights(counted=False)
         else:
             self.llm.wake_up()
             self._asleep = False
