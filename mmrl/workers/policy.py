@@ -81,14 +81,14 @@ class PolicyWorker:
         self.critic = (
             sharded_critic(cfg, device, self.pad_id, self.compute_dtype) if needs_critic(cfg) else None
         )
-        if resolve_engine(cfg.rollout.engine) == "vllm":  # each rank its own engine, fed whole weights
+        if resolve_engine(cfg.rollout.engine) == "vllm":  # an engine (or its tensor-parallel rank) per worker
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
         else:  # generates with the shards themselves; ranks step together
             self.engine = HFEngine(self.model, processor, self.compute_dtype, synced_gpus=world_size > 1)
 
     # ------------------------------------------------------------ coarse methods
     def generate(self, prompts: list[PromptSample], params: SamplingParams, seed: int) -> Batch:
-        torch.manual_seed(seed + self.rank)  # the controller's RNG picks `seed`, so a resumed run repeats it
+        torch.manual_seed(seed)  # from the controller's RNG, one per engine, so a resumed run repeats it
         return self.engine.generate(prompts, params)
 
     def sync_weights(self) -> None:
