@@ -19,6 +19,7 @@ from mmrl.algorithms import (
     block_tokens,
     entropy_from_logits,
     get_policy_loss,
+    get_rollout_correction,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
@@ -210,6 +211,9 @@ class Actor:
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(params, cfg, total_updates)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
+        self.rollout_correction = (
+            get_rollout_correction(cfg.rollout_correction) if cfg.rollout_correction else None
+        )
 
     def logprobs(self, batch: Batch, model: Any = None, layout: Layout | None = None) -> torch.Tensor:
         """Log-probs of every row under `model` (default: the policy; or the frozen reference), micro-batched:
@@ -261,10 +265,11 @@ class Actor:
         device = logp.device
         mask = micro["response_mask"].to(device).float()
         old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logp.detach()
+        advantages, is_metrics = self._corrected_advantages(micro, old, mask)
         pg_loss, pg_metrics = self.policy_loss(
             logp,
             old,
-            micro["advantages"].to(device),
+            advantages,
             mask,
             clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high,
@@ -295,7 +300,26 @@ class Actor:
             stats["actor/router_aux_loss"] = float(router.detach())
         loss.backward()
         stats.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
+        stats.update({f"actor/rollout_is_{k}": float(v) for k, v in is_metrics.items()})
         return per_minibatch(stats, len(micro), totals)
+
+    def _corrected_advantages(
+        self, micro: Batch, old: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The advantages, weighted by `actor.rollout_correction` for the gap between the engine that
+        sampled and the old policy (`mmrl.algorithms.rollout_correction`), and that correction's metrics."""
+        advantages = micro["advantages"].to(old.device)
+        if self.rollout_correction is None:
+            return advantages, {}
+        if "rollout_logprobs" not in micro:
+            raise RuntimeError(
+                "actor.rollout_correction needs the sampling engine's log-probs (rollout_logprobs), and this "
+                "batch has none: a rollout source that records them is required"
+            )
+        weights, metrics = self.rollout_correction(
+            old, micro["rollout_logprobs"].to(old.device), mask, cap=self.cfg.rollout_correction_cap
+        )
+        return advantages * weights, metrics
 
 
 def optimizer_steps(cfg: Config, epochs: int) -> int:

@@ -263,6 +263,14 @@ class ActorConfig(_OptimSection):
         "GPUs (flash-attention varlen): on CPUs the dense mask costs more than the padding saved",
     )
     policy_loss: str = "ppo_clip"
+    rollout_correction: str | None = Field(
+        None,
+        description="Correct for the engine that sampled not being the trainer's old policy (vLLM's "
+        "kernels, precision): each token's advantage is weighted by pi_old/pi_rollout, tis (truncated per "
+        "token), seq_tis (per sequence), mis or seq_mis (masked outside [1/C, C]), or path/to/file.py:function. "
+        "The engine's log-probs are then always recorded",
+    )
+    rollout_correction_cap: float = Field(2.0, gt=1.0, description="C of actor.rollout_correction")
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.28, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1.0)
@@ -476,6 +484,10 @@ class Config(_Section):
             )
         _check_registered("algorithm.adv_estimator", self.algorithm.adv_estimator, "ADVANTAGE_ESTIMATORS")
         _check_registered("actor.policy_loss", self.actor.policy_loss, "POLICY_LOSSES")
+        if self.actor.rollout_correction is not None:
+            _check_registered(
+                "actor.rollout_correction", self.actor.rollout_correction, "ROLLOUT_CORRECTIONS"
+            )
         algo = self.algorithm
         if algo.dynamic_sampling and self.rollout.n == 1:
             raise ValueError(
@@ -508,6 +520,8 @@ class Config(_Section):
             "algorithm.adv_estimator gae or remax (episodes use group baselines)": self.algorithm.adv_estimator
             in ("gae", "remax"),
             "algorithm.use_kl_in_reward (use actor.use_kl_loss)": self.algorithm.use_kl_in_reward,
+            "actor.rollout_correction (episodes keep no sampling log-probs)": self.actor.rollout_correction
+            is not None,
         }
         hit = [name for name, bad in refused.items() if bad]
         if hit:

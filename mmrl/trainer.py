@@ -376,7 +376,7 @@ class Trainer:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            logprobs=self.engine.logprobs_are_free,
+            logprobs=self.engine.logprobs_are_free or self.cfg.actor.rollout_correction is not None,
         )
 
     def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -4,6 +4,7 @@ forward over each full prompt+response sequence (no shared vision features, no r
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import mixed_prompts
 
@@ -41,27 +42,46 @@ def _reference_loss(model, batch, pad_id: int) -> torch.Tensor:
     return total / tokens
 
 
-def test_actor_gradient_equals_the_textbook_policy_gradient(tiny_model_dir) -> None:
+@pytest.mark.parametrize("correction", [None, "tis"])
+def test_actor_gradient_equals_the_textbook_policy_gradient(tiny_model_dir, correction) -> None:
+    """With `actor.rollout_correction=tis` each token's term is weighted by min(π_old/π_rollout, 2): the
+    engine's log-probs here sit a random distance below or above the trainer's."""
     model = load_policy(tiny_model_dir)
     processor = load_processor(tiny_model_dir)
     torch.manual_seed(0)
     batch = HFEngine(model, processor).generate(
-        mixed_prompts(processor), SamplingParams(n=3, temperature=1.0, max_new_tokens=6)
+        mixed_prompts(processor), SamplingParams(n=3, temperature=1.0, max_new_tokens=6, logprobs=True)
     )
-    advantages = torch.randn(len(batch))[:, None].expand_as(batch["response_mask"]).clone()
-    batch.set(advantages=advantages * batch["response_mask"])
-    cfg = ActorConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=5, use_kl_loss=False, entropy_coef=0.0)
+    mask = batch["response_mask"]
+    advantages = torch.randn(len(batch))[:, None].expand_as(mask).clone() * mask
+    batch.set(advantages=advantages)
+    cfg = ActorConfig(
+        lr=1e-3,
+        mini_batch_size=4,
+        micro_batch_size=5,
+        use_kl_loss=False,
+        entropy_coef=0.0,
+        rollout_correction=correction,
+    )
     actor = Actor(
         model, cfg, processor.tokenizer.pad_token_id, temperature=1.0, response_len=6, total_updates=1
     )
+    expected = batch.select(list(range(len(batch))))
+    if correction:
+        gap = (torch.rand(mask.shape) - 0.3) * 2  # log(π_old/π_rollout) in [-0.6, 1.4): some past log 2
+        batch.set(rollout_logprobs=(batch["rollout_logprobs"] - gap) * mask)
+        expected.set(advantages=advantages * gap.exp().clamp(max=2.0))
     model.train()
     model.zero_grad()
-    totals = {"num_tokens": float(batch["response_mask"].sum()), "num_seqs": float(len(batch)), "horizon": 6}
+    totals = {"num_tokens": float(mask.sum()), "num_seqs": float(len(batch)), "horizon": 6}
+    capped = []
     for micro in batch.split(cfg.micro_batch_size):  # micro-batches of 5 rows: mixed images and text
-        actor._micro_step(micro, totals)
+        capped.append(actor._micro_step(micro, totals).get("actor/rollout_is_capped_frac", 0.0))
+    if correction:
+        assert sum(capped) > 0, "some weights should have been truncated at the cap"
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    _reference_loss(model, batch, processor.tokenizer.pad_token_id).backward()
+    _reference_loss(model, expected, processor.tokenizer.pad_token_id).backward()
     theirs = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert ours.keys() == theirs.keys() and len(ours) > 50
     for name in ours:

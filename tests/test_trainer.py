@@ -59,15 +59,18 @@ def test_batches_mixing_text_only_and_image_rows_train_without_validation(tmp_pa
     data = _mixed_dataset(tmp_path / "data")
     reward = tmp_path / "length_reward.py"  # varies between responses, so advantages are non-zero
     reward.write_text("def by_length(sample):\n    return (len(sample.response) % 5) / 4\n")
-    assert (
-        _train(tiny_model_dir, data, tmp_path / "run", f"reward.functions=[{{name: {reward}:by_length}}]")
-        == 0
-    )
+    functions = f"reward.functions=[{{name: {reward}:by_length}}]"
+    # The HF engine samples with the trainer's own weights: the rollout correction, on here, sees ratio 1.
+    assert _train(tiny_model_dir, data, tmp_path / "run", functions, "actor.rollout_correction=tis") == 0
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(len(r["data/rows"]) == 4 for r in records)
     assert not any(k.startswith("val/") for r in records for k in r)
     assert all(r["actor/grad_norm"] > 0 for r in records)
+    assert all(
+        abs(r["actor/rollout_is_mean"] - 1) < 1e-4 and r["actor/rollout_is_capped_frac"] == 0 for r in records
+    )
+    assert all(r["actor/rollout_logprob_diff"] < 1e-4 for r in records)
 
 
 def test_bad_rows_are_skipped_and_counted_while_the_run_goes_on(tmp_path, tiny_model_dir) -> None:

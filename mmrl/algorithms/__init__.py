@@ -1,4 +1,5 @@
-"""RL algorithm pieces as pure tensor functions: advantages, policy losses, KL, aggregation.
+"""RL algorithm pieces as pure tensor functions: advantages, policy losses, KL, aggregation, and the
+off-policy correction between the sampling engine and the trainer.
 
 Algorithms are looked up by name in registries, so a config selects them by string and
 users add their own with the `register_*` decorators.
@@ -36,6 +37,11 @@ from mmrl.algorithms.policy_loss import (
     register_policy_loss,
 )
 from mmrl.algorithms.registry import load_from_file
+from mmrl.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    get_rollout_correction,
+    register_rollout_correction,
+)
 from mmrl.algorithms.shaping import overlong_penalty
 from mmrl.algorithms.value_loss import clipped_value_loss
 
@@ -45,6 +51,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
@@ -57,6 +64,7 @@ __all__ = [
     "gae",
     "get_advantage_estimator",
     "get_policy_loss",
+    "get_rollout_correction",
     "grpo",
     "gspo",
     "informative_groups",
@@ -72,6 +80,7 @@ __all__ = [
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_policy_loss",
+    "register_rollout_correction",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
