@@ -39,7 +39,7 @@ from mmrl.config import load_config
 from mmrl.loaders import PromptLoader
 from mmrl.logger import peak_rss_gb
 from mmrl.models import load_config as model_config, load_processor
-from mmrl.trainer import build_datasets
+from mmrl.rollout.prompts import build_datasets
 cfg = load_config(sys.argv[1], sys.argv[2:])
 processor, config = load_processor(cfg.model.path), model_config(cfg.model.path)
 t1 = time.perf_counter()

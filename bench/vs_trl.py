@@ -184,11 +184,11 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
             ],
         )
         trainer = Trainer(cfg)
-        samples = trainer.train_set.prepare_all(limit=512)
+        samples = trainer.source.warmup_samples(limit=512)
         losses = format_warmup(trainer.model, trainer.processor.tokenizer, samples, cfg.warmup, args.seed)
         trainer.model.save_pretrained(start)
         trainer.logger.close()
-        trainer.rewards.close()
+        trainer.source.close()
         print(f"shared format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return start
 

@@ -35,6 +35,11 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def rng_devices() -> list[int]:
+    """The CUDA devices whose RNG `torch.random.fork_rng` must fork too (none on a CPU)."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

@@ -73,10 +73,8 @@ def _preflight(cfg: Config) -> None:
 def _train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _preflight(cfg)
-    if cfg.env is None:
-        from mmrl.trainer import Trainer
-    else:
-        from mmrl.vla.trainer import EpisodeTrainer as Trainer
+    from mmrl.trainer import Trainer
+
     Trainer(cfg, resume=args.resume).fit()
     return 0
 

@@ -22,8 +22,8 @@ from mmrl.config import Config, ConfigError
 from mmrl.lora import is_adapter, load_with_adapter
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
+from mmrl.rollout.prompts import build_datasets
 from mmrl.scoring import generate_and_score, reward_label, reward_metrics
-from mmrl.trainer import build_datasets
 from rewards import RewardManager
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import json
@@ -10,11 +9,8 @@ import logging
 import os
 import random
 import signal
-import time
-from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,38 +21,23 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from mmrl import checkpoint as ckpt
-from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
-from mmrl.actor import Actor, build_actor, needs_old_logprobs, needs_reference, update_plan
-from mmrl.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    get_advantage_estimator,
-    informative_groups,
-    kl_reward_penalty,
-    overlong_penalty,
-)
-from mmrl.batch import Batch, concat
-from mmrl.config import Config, ConfigError
+from mmrl.actor import Actor, build_actor, needs_reference
+from mmrl.batch import Batch
+from mmrl.config import Config
 from mmrl.critic import Critic, build_critic, critic_plan, needs_critic, value_model
-from mmrl.data import PreparedRows, PromptDataset, image_budget
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
-from mmrl.gallery import GalleryItem, frame_strip, write_gallery
-from mmrl.loaders import make_loader
-from mmrl.logger import MetricsLogger, peak_rss_gb, plot_reward_curve
+from mmrl.logger import MetricsLogger, plot_reward_curve
 from mmrl.lora import apply_lora
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
 from mmrl.optim import apply_settings
-from mmrl.prefetch import PrefetchLoader
 from mmrl.progress import TrainingProgress
 from mmrl.resume import check_resume, record_config
-from mmrl.rollout import SamplingParams, engine_from_config
+from mmrl.rollout import engine_from_config
+from mmrl.rollout.source import RolloutSource, StepContext, source_from_config
 from mmrl.run_lock import RunLock
-from mmrl.scoring import FailingRewards, generate_and_score, reward_inputs, reward_label, reward_metrics
 from mmrl.stop_signals import RunInterrupted, StopSignals
+from mmrl.timing import PhaseTimer
 from mmrl.warmup import format_warmup
-from processors import VideoBudget
-from rewards import RewardManager
 
 if TYPE_CHECKING:
     from mmrl.workers.group import CriticRole, PolicyGroup
@@ -70,22 +51,27 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class UnfilledBatchError(ConfigError):
-    """Dynamic sampling ran out of generation rounds with `algorithm.on_unfilled=fail`."""
-
-
 class Trainer:
     """Builds every part from the config, then runs `fit`; `resume=True` continues the newest checkpoint."""
 
-    def __init__(self, cfg: Config, resume: bool = False, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        resume: bool = False,
+        console: Console | None = None,
+        source: RolloutSource | None = None,
+    ) -> None:
+        """`source`: where the steps' rollouts come from; by default the config's (`source_from_config`)."""
         self.lock = RunLock(cfg.run_dir)  # held until `fit` ends: a second run in the folder stops at once
         try:
-            self._build(cfg, resume, console)
+            self._build(cfg, resume, console, source)
         except BaseException:
             self.lock.release()
             raise
 
-    def _build(self, cfg: Config, resume: bool, console: Console | None) -> None:
+    def _build(
+        self, cfg: Config, resume: bool, console: Console | None, source: RolloutSource | None
+    ) -> None:
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = cfg.run_dir
@@ -116,7 +102,9 @@ class Trainer:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
-        self._setup_source(AutoConfig.from_pretrained(cfg.model.path))
+        self.source = source or source_from_config(
+            cfg, self.processor, AutoConfig.from_pretrained(cfg.model.path)
+        )
         self.peft: Any = None  # the PeftModel wrapper once LoRA adapters are in
         self.engine: Any
         self.actor: Any
@@ -127,8 +115,6 @@ class Trainer:
             self.actor = self._make_actor()
         self.critic: Critic | CriticRole | None = self._make_critic(cfg.critic.model_path or cfg.model.path)
         self.ref: Any = None
-        self.advantage = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.kl_ctrl = make_kl_controller(cfg)
         self.logger = MetricsLogger(
             self.run_dir,
             cfg.trainer.loggers,
@@ -168,9 +154,9 @@ class Trainer:
         # A resumed run's step-0 record is already in the log (a checkpoint of step 0 is written when
         # the very first steps all fail numerically).
         progress = TrainingProgress(self.console, cfg.total_steps, self.step, cfg.progress)
-        if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self._validates:
+        if cfg.val_before_train and self.step == 0 and self.resumed_from is None and self.source.validates:
             with self._worker_errors():
-                baseline = self.validate()
+                baseline = self.source.validate(self._context(PhaseTimer()))
                 self.logger.log(0, baseline)
             progress.validated(0, baseline)
         with progress, StopSignals() as stop:
@@ -180,7 +166,7 @@ class Trainer:
                 with self._worker_errors():
                     metrics = self.train_step()
                     if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
-                        metrics.update(self.validate())
+                        metrics.update(self.source.validate(self._context(PhaseTimer())))
                     self.logger.log(self.step, metrics)
                     self._check_numerics(metrics, before)
                     self._save_if_due()
@@ -191,7 +177,7 @@ class Trainer:
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
         )
         self.logger.close()
-        self._close_source()
+        self.source.close()
         return {"run_dir": str(self.run_dir), "steps": self.step}
 
     def _save_if_due(self) -> None:
@@ -219,15 +205,16 @@ class Trainer:
         )
 
     def train_step(self) -> dict[str, Any]:
-        timer = _Timer()
-        batch, metrics = self.rollouts(timer)
+        timer = PhaseTimer()
+        ctx = self._context(timer)
+        batch, metrics = self.source.rollouts(ctx)
         with timer("rollout"), self._engine_errors("rollout"):
             self.engine.sleep()  # after every generation round: waking from level 2 reloads the weights
-        metrics.update(self._source_metrics(batch))
+        metrics.update(self.source.metrics(batch))
         if not len(batch):  # dynamic sampling kept no group and on_unfilled=continue: nothing to learn
             return metrics
         algo = self.cfg.algorithm
-        if algo.use_kl_in_reward or self._needs_old_logprobs(batch):
+        if algo.use_kl_in_reward or self.source.needs_old_logprobs(batch):
             with timer("old_logprobs"):
                 batch.set(old_logprobs=self.actor.logprobs(batch))
         if self.ref is not None:
@@ -237,7 +224,7 @@ class Trainer:
             with timer("values"):
                 batch.set(values=self.critic.values(batch))
         with timer("advantage"):
-            advantages, returns = self.advantages(batch, metrics)
+            advantages, returns = self.source.advantages(batch, metrics, ctx)
             batch.set(advantages=advantages, returns=returns)
         metrics.update(_response_metrics(batch))
         if algo.mask_truncated:  # after the advantages, so a truncated response still counts in its group
@@ -247,7 +234,7 @@ class Trainer:
                 metrics.update(self._update_critic(batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
-                stats = self.actor.update(batch, self._update_plan(batch))
+                stats = self.actor.update(batch, self.source.update_plan(batch))
             with timer("sync"):
                 self.engine.sync_weights()
             metrics.update(stats.metrics)
@@ -264,208 +251,13 @@ class Trainer:
         metrics.update(timer.metrics(tokens=_token_count(batch)))
         return metrics
 
-    def rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
-        """One scored prompt batch; with DAPO dynamic sampling, only groups whose rewards differ,
-        refilled from the loader until `train_batch_size` groups or `max_num_gen_batches` rounds.
-
-        Reward metrics describe the first round: an unbiased sample of the policy, comparable
-        with runs without dynamic sampling."""
-        algo, want = self.cfg.algorithm, self.cfg.data.train_batch_size
-        metrics: dict[str, Any] = {}
-        kept, filtered, groups = [], 0, 0
-        for _ in range(algo.max_num_gen_batches):
-            batch, round_metrics = self._scored_rollouts(timer)
-            metrics = metrics or round_metrics
-            if not algo.dynamic_sampling:
-                return batch, metrics
-            informative = informative_groups(batch["scores"], batch["prompt_index"])
-            kept.append(batch.select(informative.nonzero().squeeze(1)))
-            filtered += len(batch["prompt_index"][~informative].unique())
-            groups += len(kept[-1]["prompt_index"].unique())
-            if groups >= want:
-                break
-        if groups < want and algo.on_unfilled == "fail":
-            raise UnfilledBatchError(
-                f"step {self.step}: dynamic sampling found {groups} of data.train_batch_size={want} groups "
-                f"with differing rewards in algorithm.max_num_gen_batches={len(kept)} generation rounds. "
-                "Raise algorithm.max_num_gen_batches, set algorithm.on_unfilled=continue to train on a "
-                "partial batch, or use a reward that separates responses more finely."
-            )
-        merged = concat(kept)
-        chosen = merged["prompt_index"].unique()[:want]  # surplus groups of the last round are dropped
-        merged = merged.select(torch.isin(merged["prompt_index"], chosen).nonzero().squeeze(1))
-        metrics["dynamic_sampling/filtered_groups"] = filtered
-        metrics["dynamic_sampling/gen_rounds"] = len(kept)
-        metrics["dynamic_sampling/kept_groups"] = len(chosen)
-        metrics["dynamic_sampling/kept_rows"] = [merged.prompts[i].row_id for i in chosen.tolist()]
-        return merged, metrics
-
-    def _scored_rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
-        """Generate for the loader's next prompts and score them, overlong shaping included."""
-        with timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
-            prompts = self.loader.next_batch()  # data without a usable row is no engine failure
-        with timer("rollout"), self._engine_errors("rollout"):
-            batch = self.engine.generate(prompts, self.train_sampling)
-        with timer("reward"):
-            scores, metrics = self.score(batch, prefix="reward")
-        algo = self.cfg.algorithm
-        if algo.overlong_buffer_len:
-            penalty = overlong_penalty(
-                batch["response_mask"].sum(dim=1),
-                self.cfg.rollout.max_new_tokens,
-                algo.overlong_buffer_len,
-                algo.overlong_penalty_factor,
-            )
-            scores = scores + penalty
-            metrics["reward/overlong_penalty"] = float(penalty.mean())
-        batch.set(scores=scores)
-        return batch, metrics
-
-    # ---------------------------------------------------------------- the prompt source
-    # What a step's rollouts start from. `mmrl.vla.trainer.EpisodeTrainer` swaps these methods (and
-    # `rollouts`, `advantages`, `validate`) for simulator episodes; the loop above stays the same.
-    def _setup_source(self, model_config: Any) -> None:
-        """Prompt rows, their loader, and the reward functions that grade the answers."""
-        cfg = self.cfg
-        self.train_set, self.val_samples = build_datasets(cfg, self.processor, model_config)
-        self.loader = PrefetchLoader(
-            make_loader(self.train_set, cfg.data, cfg.trainer.seed), cfg.data.prefetch
-        )
-        self.rewards = RewardManager(
-            [f.model_dump() for f in cfg.reward.functions],
-            timeout_s=cfg.reward.timeout_s,
-            isolation=cfg.reward.isolation,
-            num_workers=cfg.reward.num_workers,
-        )
-        self.failing_rewards = FailingRewards(cfg.reward.max_all_failed_steps)
-        self.accuracy_key = reward_label(cfg.reward.functions[0].name)
-
-    @property
-    def _validates(self) -> bool:
-        return bool(self.val_samples)
-
-    def _source_metrics(self, batch: Batch) -> dict[str, Any]:
-        metrics = _data_metrics(batch, self.loader.skipped, self.loader.epoch)
-        if self.loader.huge_images:
-            metrics["data/huge_images"] = self.loader.huge_images
-        return metrics
-
-    def _source_state(self) -> dict[str, Any]:
-        return self.loader.source_state()
-
-    def _load_source_state(self, state: dict[str, Any]) -> None:
-        self.loader.load_source_state(state)
-
-    def _close_source(self) -> None:
-        self.loader.close()
-        self.rewards.close()
-
-    def _update_plan(self, batch: Batch) -> list[Any]:
-        return update_plan(self.cfg, batch)
-
-    def _needs_old_logprobs(self, batch: Batch) -> bool:
-        return needs_old_logprobs(self.cfg, len(batch))
-
-    # ---------------------------------------------------------------- pieces
-    @property
-    def train_sampling(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            logprobs=self.engine.logprobs_are_free or self.cfg.actor.rollout_correction is not None,
-        )
-
-    def score(self, batch: Batch, prefix: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        result = self.rewards.score(reward_inputs(batch))
-        if prefix == "reward":  # the training rollouts; a ReMax baseline's greedy answers do not count
-            self.failing_rewards.observe(self.step, result)
-        return torch.tensor(result.overall, dtype=torch.float32), reward_metrics(result, prefix)
-
-    def advantages(self, batch: Batch, metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token rewards (the score on the final token, minus β·KL if charged) to advantages and
-        returns (the critic's regression targets under GAE)."""
-        mask = batch["response_mask"].float()
-        scores = batch["scores"]
-        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(scores)), last] = scores  # outcome reward on the final token
-        if self.cfg.algorithm.use_kl_in_reward:
-            kl_reward, kl = kl_reward_penalty(
-                batch["old_logprobs"],
-                batch["ref_logprobs"],
-                mask,
-                self.cfg.algorithm.kl_penalty,
-                self.kl_ctrl.value,
-            )
-            token_rewards = token_rewards + kl_reward
-            metrics.update({"kl_reward/kl": kl, "kl_reward/coef": self.kl_ctrl.value})
-            self.kl_ctrl.update(kl, n_steps=len(scores))
-        extra: dict[str, Any] = {"values": batch["values"]} if "values" in batch else {}
-        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
-            with self._engine_errors("ReMax baseline rollout"):
-                greedy = self.engine.generate(
-                    batch.prompts, replace(self.train_sampling, n=1, temperature=0.0)
-                )
-            baseline, _ = self.score(greedy, prefix="remax")
-            extra["baseline_scores"] = baseline[batch["prompt_index"]]
-        return self.advantage(
-            token_rewards,
-            mask,
-            batch["prompt_index"],
-            norm_adv_by_std=self.cfg.algorithm.norm_adv_by_std,
-            gamma=self.cfg.algorithm.gamma,
-            lam=self.cfg.algorithm.lam,
-            **extra,
-        )
-
-    def validate(self) -> dict[str, Any]:
-        """Greedy answers on the held-out prompts; touches no RNG the training run depends on."""
-        v = self.cfg.rollout.val
-        params = SamplingParams(
-            n=v.n,
-            temperature=v.temperature,
-            top_p=v.top_p,
-            top_k=v.top_k,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-        )
-        if not self.val_samples:
-            return {}
-        with self._engine_errors("validation"):
-            inputs, result = generate_and_score(
-                self.engine, self.rewards, self.val_samples, params, self.cfg.data.val_batch_size
-            )
-        metrics = reward_metrics(result, prefix="val")
-        metrics.update({f"val/skipped/{reason}": n for reason, n in self.val_samples.skipped.items()})
-        key = f"val/{self.accuracy_key}"
-        metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
-        if self.cfg.trainer.gallery_samples:
-            shown = range(min(len(inputs), self.cfg.trainer.gallery_samples))
-            items = [
-                GalleryItem(
-                    images=[*inputs[i].images, *map(frame_strip, inputs[i].videos)],
-                    prompt=inputs[i].prompt,
-                    response=inputs[i].response,
-                    ground_truth=inputs[i].ground_truth,
-                    reward=result.overall[i],
-                    components={k: v[i] for k, v in result.components.items()},
-                )
-                for i in shown
-            ]
-            write_gallery(self.run_dir, self.step, items, metrics)
-        return metrics
-
     def _small_state(self) -> dict[str, Any]:
         """The trainer state besides weights and optimizer: small enough to copy before every step,
         so the state before a run of skipped updates can still be saved once it is known to be bad."""
         return {
             "step": self.step,
-            **self._source_state(),
+            **self.source.state(),
             "rng": ckpt.rng_state(),
-            "kl_coef": self.kl_ctrl.value,
         }
 
     def save(self, small_state: dict[str, Any] | None = None) -> Path:
@@ -486,12 +278,25 @@ class Trainer:
         except OSError as err:
             raise CheckpointError(_save_failure(root, small["step"], err)) from err
 
-    def _model_writer(self) -> Any:
+    def _model_writer(self) -> Callable[[Path], None]:
         """What writes the weights into a checkpoint folder: each worker its own shards of weights and
-        AdamW state, or this process the model (under LoRA the adapter alone, in peft's format)."""
-        if self.workers is not None:
-            return self.workers.save
-        return ckpt.hf_writer(self.peft or self.model, self.processor)
+        AdamW state, or this process the model (under LoRA the adapter alone, in peft's format); then the
+        source adds what its policy needs beside them (`RolloutSource.save_files`)."""
+        weights = (
+            self.workers.save
+            if self.workers is not None
+            else ckpt.hf_writer(self.peft or self.model, self.processor)
+        )
+
+        def write(folder: Path) -> None:
+            weights(folder)
+            self.source.save_files(Path(folder) / "model")
+
+        return write
+
+    def _context(self, timer: PhaseTimer) -> StepContext:
+        """What the source is handed for a call: the engine, this step, its timer, the error guard."""
+        return StepContext(self.engine, self.step, timer, self._engine_errors)
 
     def _check_numerics(self, metrics: dict[str, Any], before: dict[str, Any]) -> None:
         """Stop after `trainer.max_consecutive_bad_steps` steps in a row whose every actor update was
@@ -545,9 +350,8 @@ class Trainer:
             self.actor.scheduler.load_state_dict(state["scheduler"])
             # The config's lr over the checkpoint's: a resume may change it.
             apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)
-        self._load_source_state(state)
+        self.source.load_state(state)
         ckpt.set_rng_state(state["rng"])
-        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
         if self.critic is not None and self.workers is None:  # `workers.load` restored theirs
             self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
@@ -558,7 +362,7 @@ class Trainer:
         self.console.print(f"resumed from {folder} at step {self.step}{note}")
 
     def _warmup(self, model: Any) -> None:
-        samples = self.train_set.prepare_all(limit=512)
+        samples = self.source.warmup_samples(limit=512)
         losses = format_warmup(
             model, tokenizer_of(self.processor), samples, self.cfg.warmup, self.cfg.trainer.seed
         )
@@ -577,7 +381,7 @@ class Trainer:
                 raise FileNotFoundError(
                     f"{start} is missing: the checkpoints of this run were trained from it"
                 )
-            with torch.random.fork_rng(devices=_rng_devices()):
+            with torch.random.fork_rng(devices=ckpt.rng_devices()):
                 self._warmup(load_policy(self.cfg.model.path))
         from mmrl.workers.group import PolicyGroup  # Ray is imported only by runs that use it
 
@@ -623,7 +427,7 @@ class Trainer:
         if not needs_critic(self.cfg) or self.cfg.trainer.uses_workers:
             return None
         device = str(next(self.model.parameters()).device)
-        with torch.random.fork_rng(devices=_rng_devices()):  # building it must not shift the training RNG
+        with torch.random.fork_rng(devices=ckpt.rng_devices()):  # building it must not shift the training RNG
             model = value_model(self.cfg, start, device)
         return build_critic(self.cfg, model, self.pad_id, self.compute_dtype)
 
@@ -651,7 +455,7 @@ class Trainer:
             return copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         start = self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
         device = next(self.model.parameters()).device
-        with torch.random.fork_rng(devices=_rng_devices()):  # loading must not shift the training RNG
+        with torch.random.fork_rng(devices=ckpt.rng_devices()):  # loading must not shift the training RNG
             return load_policy(start, self.compute_dtype, str(device)).eval().requires_grad_(False)
 
     def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -681,7 +485,7 @@ class Trainer:
         """Resume under LoRA: the base weights, then the checkpoint's adapter on top."""
         from peft import set_peft_model_state_dict
 
-        with torch.random.fork_rng(devices=_rng_devices()):
+        with torch.random.fork_rng(devices=ckpt.rng_devices()):
             base = load_policy(self._lora_base(), torch.float32)
         self.model.load_state_dict(base.state_dict())
         self._apply_lora()
@@ -691,71 +495,6 @@ class Trainer:
                 f"{folder} holds no LoRA adapter ({adapter.name}); was it saved with model.lora?"
             )
         set_peft_model_state_dict(self.peft, load_file(adapter))
-
-
-def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[PromptDataset, PreparedRows]:
-    """The training set (prepared lazily, row by row) and the prepared validation samples.
-
-    A text-only model's processor is its tokenizer: its datasets have no pixel budgets, and rows
-    with images or videos are refused here, before any training, rather than skipped one by one."""
-    d = cfg.data
-    family = family_of(model_config)
-    tok = tokenizer_of(processor)
-    if not family.takes_images:
-        train = PromptDataset.from_config(d.train_files, d, tok, None, None)
-        val_set = (
-            PromptDataset.from_config(d.val_files, d, tok, None, None, key="val_files")
-            if d.val_files
-            else None
-        )
-        for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
-            media = dataset.media_rows() if dataset is not None else 0
-            if media:
-                raise ConfigError(
-                    f"data.{name}_files ({', '.join(map(str, files))}): {media} of {len(dataset)} rows have "
-                    f"images or videos, but model.path {cfg.model.path} is a text-only model "
-                    f"({model_config.model_type}, family {family.name}) that cannot see them. Remove those "
-                    "rows (or their image/video columns), or train a vision-language model."
-                )
-        return train, _prepared_val(val_set, d.max_val_samples)
-    grid = family.grid()
-    budget = image_budget(d, model_config)
-    try:
-        video_budget = VideoBudget(
-            fps=d.video_fps,
-            max_frames=d.video_max_frames,
-            min_pixels=d.video_min_pixels,
-            max_pixels=d.video_max_pixels,
-            max_total_pixels=d.video_max_total_pixels,
-            patch_size=grid.patch,
-            merge_size=grid.merge,
-            temporal_patch_size=grid.temporal,
-            rule=family.video_size_rule,
-        )
-    except ValueError as err:
-        raise ConfigError(f"data.video_*: {err}") from None
-    images = processor.image_processor
-    videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
-    train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
-    val_set = (
-        PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos, key="val_files")
-        if d.val_files
-        else None
-    )
-    return train, _prepared_val(val_set, d.max_val_samples)
-
-
-def _prepared_val(val_set: PromptDataset | None, limit: int | None) -> PreparedRows:
-    """The validation samples; a validation set with no usable row is refused rather than
-    silently turning validation off."""
-    if val_set is None:
-        return PreparedRows([], Counter())
-    val = val_set.prepare_all(limit)
-    if not val:
-        raise val_set.unusable()
-    if val_set.skipped:
-        log.warning("validation rows skipped: %s", dict(val_set.skipped))
-    return val
 
 
 def refuse_to_overwrite(run_dir: Path) -> None:
@@ -810,55 +549,6 @@ def _save_failure(root: Path, step: int, err: OSError) -> str:
     )
 
 
-def make_kl_controller(cfg: Config) -> KLController:
-    """β for the KL reward penalty; warns when KL is also a loss term, as both then pull to π_ref."""
-    kl = cfg.algorithm.kl_ctrl
-    if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:
-        log.warning(
-            "algorithm.use_kl_in_reward and actor.use_kl_loss are both on: KL to the reference is "
-            "penalised twice (in the reward and in the loss); set actor.use_kl_loss=false unless intended"
-        )
-    if kl.type == "adaptive":
-        return AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
-    return FixedKLController(kl.kl_coef)
-
-
-def _rng_devices() -> list[int]:
-    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
-
-class _Timer:
-    """Wall time per phase, reported as timing/<phase> seconds plus throughput."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.phases: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        yield
-        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
-
-    def metrics(self, tokens: int) -> dict[str, float]:
-        total = time.perf_counter() - self.start
-        out = {f"timing/{k}": v for k, v in self.phases.items()}
-        out["timing/step"] = total
-        out["throughput/tokens_per_s"] = tokens / total
-        out["memory/peak_rss_gb"] = peak_rss_gb()
-        if (rss := current_rss_gb()) is not None:
-            out["memory/rss_gb"] = rss
-        return out
-
-
-def current_rss_gb() -> float | None:
-    """This process's resident set size now, in GiB (None without /proc). The peak cannot show a
-    slow leak once an early step has set it; the current size grows with one."""
-    with contextlib.suppress(OSError):
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    return None
-
-
 def _token_count(batch: Batch) -> int:
     prompt_tokens = sum(len(batch.prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
     return prompt_tokens + int(batch["response_mask"].sum())
@@ -872,11 +562,3 @@ def _response_metrics(batch: Batch) -> dict[str, float]:
         "response_length/clip_frac": float(batch["truncated"].float().mean()),
         "prompt_length/mean": float(np.mean([len(p.prompt_ids) for p in batch.prompts])),
     }
-
-
-def _data_metrics(batch: Batch, skipped: dict[str, int], epoch: int) -> dict[str, Any]:
-    """Where the loader stands; `data/rows` lists every prompt drawn this step, filtered or not."""
-    metrics: dict[str, Any] = {f"data/skipped/{k}": v for k, v in skipped.items()}
-    metrics["data/epoch"] = epoch
-    metrics["data/rows"] = [p.row_id for p in batch.prompts]
-    return metrics

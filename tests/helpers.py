@@ -95,7 +95,7 @@ def mixed_media_dataset(
     root: Path, model_dir: Path, processor: Any, model_config: Any, overrides: tuple[str, ...] = ()
 ) -> tuple[Config, Any]:
     """The video quickstart recipe over `mixed_media_rows`: its config and training dataset."""
-    from mmrl.trainer import build_datasets
+    from mmrl.rollout.prompts import build_datasets
 
     cfg = load_config(
         "configs/quickstart_video.yaml",

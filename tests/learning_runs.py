@@ -170,8 +170,8 @@ def _train_episodes(
 ) -> list[dict[str, Any]]:
     """`mmrl sft` from `model_dir`, then episode GRPO from the cloned policy; the RL run's records."""
     from mmrl.config import load_config
+    from mmrl.trainer import Trainer
     from mmrl.vla.sft import run_sft
-    from mmrl.vla.trainer import EpisodeTrainer
 
     cfg = load_config(
         REPO / run.config,
@@ -183,7 +183,7 @@ def _train_episodes(
         ],
     )
     run_sft(cfg)
-    EpisodeTrainer(cfg).fit()
+    Trainer(cfg).fit()
     return read_metrics(root / "run" / "metrics.jsonl")
 
 

@@ -28,10 +28,10 @@ from mmrl.lora import apply_lora, gather_shards, load_with_adapter
 from mmrl.micro_batches import deal, pack_rows, row_lengths
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.rollout.prompts import build_datasets
 from mmrl.rollout.vllm import vllm_available
 from mmrl.synthetic import generate
-from mmrl.trainer import Trainer, build_datasets
-from mmrl.vla.trainer import EpisodeTrainer
+from mmrl.trainer import Trainer
 from mmrl.workers.group import PolicyGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -442,7 +442,7 @@ def test_episode_training_runs_on_two_fsdp_workers(local_ray, tmp_path, tiny_mod
         "trainer.total_steps=1",
         "trainer.val_every=1",
     )
-    EpisodeTrainer(cfg).fit()
+    Trainer(cfg).fit()
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["actor/updates"] == 1 and "val/success" in record and record["episode/episode_length"] > 0
     model = tmp_path / "run" / "checkpoints" / "step_00000001" / "model"

@@ -110,7 +110,7 @@ def _math_config(tmp_path, text_dir, rows: list[dict]) -> object:
 
 
 def test_text_datasets_use_the_tokenizer_and_refuse_media_rows_up_front(tmp_path, text_dir, model, tokenizer):
-    from mmrl.trainer import build_datasets
+    from mmrl.rollout.prompts import build_datasets
 
     rows = [
         {"problem": f"Tom has {i} apples and buys 2 more. How many?", "answer": str(i + 2)} for i in range(4)

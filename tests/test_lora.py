@@ -76,7 +76,9 @@ def test_lora_run_keeps_the_base_saves_a_peft_adapter_and_resumes_exactly(tmp_pa
     # The reference is the policy object itself, read with the adapter off: no second copy.
     assert straight.ref is straight.model
     base = load_policy(tmp_path / "a" / "warmup_model")
-    batch = straight.engine.generate(straight.train_set.prepare_all(limit=4), straight.train_sampling)
+    batch = straight.engine.generate(
+        straight.source.train_set.prepare_all(limit=4), straight.source.sampling(straight.engine)
+    )
     reference = straight._ref_logprobs(batch)
     expected = straight.actor.logprobs(batch, base)
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)

@@ -13,8 +13,8 @@ from mmrl.actor import forward_logprobs
 from mmrl.config import load_config
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.rollout.prompts import build_datasets
 from mmrl.synthetic_video import QUESTION, generate_video
-from mmrl.trainer import build_datasets
 
 
 @pytest.fixture

@@ -22,11 +22,12 @@ from mmrl.config import ConfigError, load_config
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
+from mmrl.trainer import Trainer
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
 from mmrl.vla.sft import demo_steps
-from mmrl.vla.trainer import EpisodeTrainer, episode_advantages, train_seeds
+from mmrl.vla.source import episode_advantages, train_seeds
 from processors import PixelBudget
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
@@ -174,7 +175,7 @@ def test_episode_trainer_trains_validates_and_checkpoints_the_action_tokenizer(
     tmp_path, tiny_model_dir
 ) -> None:
     cfg = _cfg(tmp_path, tiny_model_dir)
-    trainer = EpisodeTrainer(cfg)
+    trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.fit()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -19,7 +19,7 @@ from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
 from mmrl.vla.sft import load_action_tokenizer
-from mmrl.vla.trainer import make_envs
+from mmrl.vla.source import make_envs
 
 
 def evaluate_episodes(

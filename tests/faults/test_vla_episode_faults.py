@@ -10,12 +10,12 @@ import signal
 import pytest
 from helpers import tiny_vla_config
 
-from mmrl.vla.trainer import EpisodeTrainer
+from mmrl.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
-def _trainer(tmp_path, model_dir, name: str) -> EpisodeTrainer:
+def _trainer(tmp_path, model_dir, name: str) -> Trainer:
     cfg = tiny_vla_config(
         model_dir,
         tmp_path / name,
@@ -25,7 +25,7 @@ def _trainer(tmp_path, model_dir, name: str) -> EpisodeTrainer:
         "env.val_episodes=0",
         "trainer.total_steps=1",
     )
-    return EpisodeTrainer(cfg)
+    return Trainer(cfg)
 
 
 def test_a_killed_env_worker_is_replaced_and_the_training_step_completes_unchanged(
@@ -34,10 +34,10 @@ def test_a_killed_env_worker_is_replaced_and_the_training_step_completes_unchang
     clean = _trainer(tmp_path, tiny_model_dir, "clean")
     clean.step = 1
     expected = clean.train_step()
-    clean.envs.close()
+    clean.source.envs.close()
 
     trainer = _trainer(tmp_path, tiny_model_dir, "faulty")
-    pool, calls = trainer.envs, []
+    pool, calls = trainer.source.envs, []
     step = pool.step
 
     def step_and_kill_at_the_third_call(actions):
@@ -49,7 +49,7 @@ def test_a_killed_env_worker_is_replaced_and_the_training_step_completes_unchang
     pool.step = step_and_kill_at_the_third_call
     trainer.step = 1
     got = trainer.train_step()
-    trainer.envs.close()
+    trainer.source.envs.close()
 
     assert got["env/restarts"] == 1 and expected["env/restarts"] == 0
     assert got["actor/updates"] == 1

@@ -1,4 +1,4 @@
-"""The RL loop over simulator episodes: `Trainer`'s loop with episodes as the source of rollouts.
+"""Simulator episodes as the source of a training step's rollouts (`mmrl.rollout.source`).
 
 Each step runs `rollout.n` episodes from each of `data.train_batch_size` initial states. An episode's
 return is the reward of every decision in it, and advantages are normalised over the episodes that
@@ -15,12 +15,14 @@ import torch
 
 from envs.actions import ActionTokenizer
 from envs.vector import LocalEnvs, VectorEnv
-from mmrl.algorithms import informative_groups
+from mmrl.algorithms import get_advantage_estimator, informative_groups
 from mmrl.batch import Batch
-from mmrl.data import image_budget
-from mmrl.optim import plan_minibatches
+from mmrl.checkpoint import rng_devices
+from mmrl.config import Config, ConfigError
+from mmrl.data import PromptSample, image_budget
+from mmrl.optim import MiniBatch, plan_minibatches
 from mmrl.rollout import SamplingParams
-from mmrl.trainer import Trainer, _rng_devices, _Timer
+from mmrl.rollout.source import StepContext
 from mmrl.vla.episodes import Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
@@ -65,62 +67,26 @@ def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: in
     return ActionTokenizer.for_vocab(vocab_size, action_dim, n_bins=cfg.env.n_bins, chunk=cfg.env.chunk)
 
 
-class EpisodeTrainer(Trainer):
-    """`Trainer` whose rollouts are episodes, rewards are returns and validation is a success rate."""
+class EpisodeSource:
+    """Simulator episodes as a rollout source: rewards are returns, validation is a success rate, and a
+    checkpoint's model folder carries the action tokenizer."""
 
-    def _setup_source(self, model_config: Any) -> None:
-        cfg = self.cfg
-        self.val_samples = []
+    def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
+        self.cfg = cfg
         self.envs = make_envs(cfg, max(cfg.data.train_batch_size * cfg.rollout.n, cfg.env.val_episodes))
         self.action_tokenizer = episode_tokenizer(
             cfg, cfg.model.path, model_config.get_text_config().vocab_size, self.envs.action_dim
         )
-        self.prompts = ObservationPrompts(
-            self.processor, image_budget(cfg.data, model_config), cfg.env.prompt
-        )
-
-    @property
-    def _validates(self) -> bool:
-        return self.cfg.env.val_episodes > 0
-
-    def _source_metrics(self, batch: Batch) -> dict[str, Any]:
-        return {"env/restarts": self.envs.restarts}
-
-    def _source_state(self) -> dict[str, Any]:
-        return {}  # a step's seeds follow from the step number
-
-    def _load_source_state(self, state: dict[str, Any]) -> None:
-        return None
-
-    def _close_source(self) -> None:
-        self.envs.close()
-
-    def _update_plan(self, batch: Batch) -> list[Any]:
-        """`data.train_batch_size / actor.mini_batch_size` optimizer steps per epoch over the decisions."""
-        a = self.cfg.actor
-        steps = self.cfg.data.train_batch_size // a.mini_batch_size
-        rows = -(-len(batch) // steps)
-        return plan_minibatches(batch, rows, a.ppo_epochs, self.action_tokenizer.n_tokens)
-
-    def _needs_old_logprobs(self, batch: Batch) -> bool:
-        a = self.cfg.actor
-        return a.ppo_epochs > 1 or a.mini_batch_size < self.cfg.data.train_batch_size
-
-    def _model_writer(self) -> Any:
-        write = super()._model_writer()
-
-        def write_with_actions(folder: Any) -> None:
-            write(folder)
-            save_action_tokenizer(self.action_tokenizer, Path(folder) / "model")
-
-        return write_with_actions
+        self.prompts = ObservationPrompts(processor, image_budget(cfg.data, model_config), cfg.env.prompt)
+        self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.validates = cfg.env.val_episodes > 0
 
     def episodes(
-        self, seeds: list[int], params: SamplingParams, group_size: int = 1, record: int = 0
+        self, ctx: StepContext, seeds: list[int], params: SamplingParams, group_size: int = 1, record: int = 0
     ) -> Episodes:
-        with self._engine_errors("episode rollout"):
-            episodes = run_episodes(
-                self.engine,
+        with ctx.guard("episode rollout"):
+            return run_episodes(
+                ctx.engine,
                 self.envs,
                 self.prompts,
                 self.action_tokenizer,
@@ -130,15 +96,15 @@ class EpisodeTrainer(Trainer):
                 invalid_penalty=self.cfg.env.invalid_penalty,
                 record=record,
             )
-        return episodes
 
-    def rollouts(self, timer: _Timer) -> tuple[Batch, dict[str, Any]]:
+    def rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
         """The step's episodes; with dynamic sampling, only groups whose returns differ (one round:
         a fresh round would need fresh initial states and as long again)."""
-        cfg, n = self.cfg, self.cfg.rollout.n
-        seeds = train_seeds(cfg.trainer.seed, self.step, cfg.data.train_batch_size, cfg.env.val_seed)
-        with timer("rollout"):
-            episodes = self.episodes([s for s in seeds for _ in range(n)], self.train_sampling, group_size=n)
+        cfg, r = self.cfg, self.cfg.rollout
+        seeds = train_seeds(cfg.trainer.seed, ctx.step, cfg.data.train_batch_size, cfg.env.val_seed)
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        with ctx.timer("rollout"):
+            episodes = self.episodes(ctx, [s for s in seeds for _ in range(r.n)], params, group_size=r.n)
         batch = episodes.batch
         metrics = episodes.metrics("episode")
         metrics["reward/mean"] = float(episodes.returns.mean())
@@ -149,13 +115,29 @@ class EpisodeTrainer(Trainer):
             batch = batch.select(keep.nonzero().squeeze(1))
         return batch, metrics
 
-    def advantages(self, batch: Batch, metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def metrics(self, batch: Batch) -> dict[str, Any]:
+        return {"env/restarts": self.envs.restarts}
+
+    def needs_old_logprobs(self, batch: Batch) -> bool:
+        a = self.cfg.actor
+        return a.ppo_epochs > 1 or a.mini_batch_size < self.cfg.data.train_batch_size
+
+    def advantages(
+        self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.cfg.algorithm
         return episode_advantages(
-            self.advantage, batch, norm_adv_by_std=a.norm_adv_by_std, gamma=a.gamma, lam=a.lam
+            self.estimator, batch, norm_adv_by_std=a.norm_adv_by_std, gamma=a.gamma, lam=a.lam
         )
 
-    def validate(self) -> dict[str, Any]:
+    def update_plan(self, batch: Batch) -> list[MiniBatch]:
+        """`data.train_batch_size / actor.mini_batch_size` optimizer steps per epoch over the decisions."""
+        a = self.cfg.actor
+        steps = self.cfg.data.train_batch_size // a.mini_batch_size
+        rows = -(-len(batch) // steps)
+        return plan_minibatches(batch, rows, a.ppo_epochs, self.action_tokenizer.n_tokens)
+
+    def validate(self, ctx: StepContext) -> dict[str, Any]:
         """Success over the fixed evaluation seeds, and a GIF of the first `env.media_episodes`.
 
         Sampled validation (`rollout.val.temperature > 0`) draws from its own seeded stream, so it
@@ -165,15 +147,30 @@ class EpisodeTrainer(Trainer):
             return {}
         params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
         seeds = list(range(env.val_seed, env.val_seed + env.val_episodes))
-        with torch.random.fork_rng(devices=_rng_devices()):  # the same draws at every validation
+        with torch.random.fork_rng(devices=rng_devices()):  # the same draws at every validation
             torch.manual_seed(self.cfg.trainer.seed)
-            episodes = self.episodes(seeds, params, record=env.media_episodes)
+            episodes = self.episodes(ctx, seeds, params, record=env.media_episodes)
         metrics = episodes.metrics("val")
         metrics["val/accuracy"] = metrics["val/success"]
         if episodes.frames:
             shown = episodes.success[: len(episodes.frames)].tolist()
-            episodes_gif(episodes.frames, shown, self.run_dir / "media" / f"step_{self.step:06d}.gif")
+            episodes_gif(episodes.frames, shown, self.cfg.run_dir / "media" / f"step_{ctx.step:06d}.gif")
         return metrics
+
+    def warmup_samples(self, limit: int) -> list[PromptSample]:
+        raise ConfigError("episode runs start from demonstrations (`mmrl sft`), not a format warm-up")
+
+    def state(self) -> dict[str, Any]:
+        return {}  # a step's seeds follow from the step number
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def save_files(self, model_folder: Path) -> None:
+        save_action_tokenizer(self.action_tokenizer, model_folder)
+
+    def close(self) -> None:
+        self.envs.close()
 
 
 def episode_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:

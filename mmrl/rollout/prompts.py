@@ -1,0 +1,333 @@
+"""Single-turn prompts as a rollout source: rows from the data files, answers graded by reward functions.
+
+Each step draws `data.train_batch_size` prompts from the loader, samples `rollout.n` answers to each,
+scores them and, with DAPO's dynamic sampling, keeps only groups whose rewards differ. Advantages
+come from the outcome reward on each answer's last token (minus β·KL when the KL is charged in the
+reward), through the configured estimator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
+from mmrl.actor import needs_old_logprobs, update_plan
+from mmrl.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    get_advantage_estimator,
+    informative_groups,
+    kl_reward_penalty,
+    overlong_penalty,
+)
+from mmrl.batch import Batch, concat
+from mmrl.config import Config, ConfigError
+from mmrl.data import PreparedRows, PromptDataset, PromptSample, image_budget
+from mmrl.gallery import GalleryItem, frame_strip, write_gallery
+from mmrl.loaders import make_loader
+from mmrl.models import family_of, tokenizer_of
+from mmrl.optim import MiniBatch
+from mmrl.prefetch import PrefetchLoader
+from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.source import StepContext
+from mmrl.scoring import FailingRewards, generate_and_score, reward_inputs, reward_label, reward_metrics
+from processors import VideoBudget
+from rewards import RewardManager
+
+log = logging.getLogger("mmrl.rollout.prompts")
+
+
+class UnfilledBatchError(ConfigError):
+    """Dynamic sampling ran out of generation rounds with `algorithm.on_unfilled=fail`."""
+
+
+class PromptSource:
+    """Prompt rows, their loader, the reward functions that grade the answers, and the KL controller
+    of a KL charged in the reward (its coefficient is part of the source's checkpointed state)."""
+
+    def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
+        self.cfg = cfg
+        self.train_set, self.val_samples = build_datasets(cfg, processor, model_config)
+        self.loader = PrefetchLoader(
+            make_loader(self.train_set, cfg.data, cfg.trainer.seed), cfg.data.prefetch
+        )
+        self.rewards = RewardManager(
+            [f.model_dump() for f in cfg.reward.functions],
+            timeout_s=cfg.reward.timeout_s,
+            isolation=cfg.reward.isolation,
+            num_workers=cfg.reward.num_workers,
+        )
+        self.failing_rewards = FailingRewards(cfg.reward.max_all_failed_steps)
+        self.accuracy_key = reward_label(cfg.reward.functions[0].name)
+        self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.kl_ctrl = make_kl_controller(cfg)
+        self.validates = bool(self.val_samples)
+
+    # ---------------------------------------------------------------- rollouts
+    def sampling(self, engine: Any) -> SamplingParams:
+        """Training sampling; the engine's log-probs are kept where they cost nothing or are needed."""
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            logprobs=engine.logprobs_are_free or self.cfg.actor.rollout_correction is not None,
+        )
+
+    def rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
+        """One scored prompt batch; with DAPO dynamic sampling, only groups whose rewards differ,
+        refilled from the loader until `train_batch_size` groups or `max_num_gen_batches` rounds.
+
+        Reward metrics describe the first round: an unbiased sample of the policy, comparable
+        with runs without dynamic sampling."""
+        algo, want = self.cfg.algorithm, self.cfg.data.train_batch_size
+        metrics: dict[str, Any] = {}
+        kept, filtered, groups = [], 0, 0
+        for _ in range(algo.max_num_gen_batches):
+            batch, round_metrics = self._scored_rollouts(ctx)
+            metrics = metrics or round_metrics
+            if not algo.dynamic_sampling:
+                return batch, metrics
+            informative = informative_groups(batch["scores"], batch["prompt_index"])
+            kept.append(batch.select(informative.nonzero().squeeze(1)))
+            filtered += len(batch["prompt_index"][~informative].unique())
+            groups += len(kept[-1]["prompt_index"].unique())
+            if groups >= want:
+                break
+        if groups < want and algo.on_unfilled == "fail":
+            raise UnfilledBatchError(
+                f"step {ctx.step}: dynamic sampling found {groups} of data.train_batch_size={want} groups "
+                f"with differing rewards in algorithm.max_num_gen_batches={len(kept)} generation rounds. "
+                "Raise algorithm.max_num_gen_batches, set algorithm.on_unfilled=continue to train on a "
+                "partial batch, or use a reward that separates responses more finely."
+            )
+        merged = concat(kept)
+        chosen = merged["prompt_index"].unique()[:want]  # surplus groups of the last round are dropped
+        merged = merged.select(torch.isin(merged["prompt_index"], chosen).nonzero().squeeze(1))
+        metrics["dynamic_sampling/filtered_groups"] = filtered
+        metrics["dynamic_sampling/gen_rounds"] = len(kept)
+        metrics["dynamic_sampling/kept_groups"] = len(chosen)
+        metrics["dynamic_sampling/kept_rows"] = [merged.prompts[i].row_id for i in chosen.tolist()]
+        return merged, metrics
+
+    def _scored_rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
+        """Generate for the loader's next prompts and score them, overlong shaping included."""
+        with ctx.timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
+            prompts = self.loader.next_batch()  # data without a usable row is no engine failure
+        with ctx.timer("rollout"), ctx.guard("rollout"):
+            batch = ctx.engine.generate(prompts, self.sampling(ctx.engine))
+        with ctx.timer("reward"):
+            scores, metrics = self.score(batch, "reward", ctx.step)
+        algo = self.cfg.algorithm
+        if algo.overlong_buffer_len:
+            penalty = overlong_penalty(
+                batch["response_mask"].sum(dim=1),
+                self.cfg.rollout.max_new_tokens,
+                algo.overlong_buffer_len,
+                algo.overlong_penalty_factor,
+            )
+            scores = scores + penalty
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
+        batch.set(scores=scores)
+        return batch, metrics
+
+    def score(self, batch: Batch, prefix: str, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        result = self.rewards.score(reward_inputs(batch))
+        if prefix == "reward":  # the training rollouts; a ReMax baseline's greedy answers do not count
+            self.failing_rewards.observe(step, result)
+        return torch.tensor(result.overall, dtype=torch.float32), reward_metrics(result, prefix)
+
+    def metrics(self, batch: Batch) -> dict[str, Any]:
+        """Where the loader stands; `data/rows` lists every prompt drawn this step, filtered or not."""
+        metrics: dict[str, Any] = {f"data/skipped/{k}": v for k, v in self.loader.skipped.items()}
+        metrics["data/epoch"] = self.loader.epoch
+        metrics["data/rows"] = [p.row_id for p in batch.prompts]
+        if self.loader.huge_images:
+            metrics["data/huge_images"] = self.loader.huge_images
+        return metrics
+
+    # ---------------------------------------------------------------- learning
+    def needs_old_logprobs(self, batch: Batch) -> bool:
+        return needs_old_logprobs(self.cfg, len(batch))
+
+    def update_plan(self, batch: Batch) -> list[MiniBatch]:
+        return update_plan(self.cfg, batch)
+
+    def advantages(
+        self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rewards (the score on the final token, minus β·KL if charged) to advantages and
+        returns (the critic's regression targets under GAE)."""
+        mask = batch["response_mask"].float()
+        scores = batch["scores"]
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(scores)), last] = scores  # outcome reward on the final token
+        algo = self.cfg.algorithm
+        if algo.use_kl_in_reward:
+            kl_reward, kl = kl_reward_penalty(
+                batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl_penalty, self.kl_ctrl.value
+            )
+            token_rewards = token_rewards + kl_reward
+            metrics.update({"kl_reward/kl": kl, "kl_reward/coef": self.kl_ctrl.value})
+            self.kl_ctrl.update(kl, n_steps=len(scores))
+        extra: dict[str, Any] = {"values": batch["values"]} if "values" in batch else {}
+        if algo.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
+            with ctx.guard("ReMax baseline rollout"):
+                greedy = ctx.engine.generate(
+                    batch.prompts, replace(self.sampling(ctx.engine), n=1, temperature=0.0)
+                )
+            baseline, _ = self.score(greedy, "remax", ctx.step)
+            extra["baseline_scores"] = baseline[batch["prompt_index"]]
+        return self.estimator(
+            token_rewards,
+            mask,
+            batch["prompt_index"],
+            norm_adv_by_std=algo.norm_adv_by_std,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            **extra,
+        )
+
+    # ---------------------------------------------------------------- validation
+    def validate(self, ctx: StepContext) -> dict[str, Any]:
+        """Answers on the held-out prompts, scored, with a gallery; touches no RNG the training run
+        depends on."""
+        if not self.val_samples:
+            return {}
+        v = self.cfg.rollout.val
+        params = SamplingParams(
+            n=v.n,
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+        )
+        with ctx.guard("validation"):
+            inputs, result = generate_and_score(
+                ctx.engine, self.rewards, self.val_samples, params, self.cfg.data.val_batch_size
+            )
+        metrics = reward_metrics(result, prefix="val")
+        metrics.update({f"val/skipped/{reason}": n for reason, n in self.val_samples.skipped.items()})
+        key = f"val/{self.accuracy_key}"
+        metrics["val/accuracy"] = metrics[key] if key in metrics else metrics["val/mean"]
+        if self.cfg.trainer.gallery_samples:
+            shown = range(min(len(inputs), self.cfg.trainer.gallery_samples))
+            items = [
+                GalleryItem(
+                    images=[*inputs[i].images, *map(frame_strip, inputs[i].videos)],
+                    prompt=inputs[i].prompt,
+                    response=inputs[i].response,
+                    ground_truth=inputs[i].ground_truth,
+                    reward=result.overall[i],
+                    components={k: v[i] for k, v in result.components.items()},
+                )
+                for i in shown
+            ]
+            write_gallery(self.cfg.run_dir, ctx.step, items, metrics)
+        return metrics
+
+    # ---------------------------------------------------------------- state
+    def warmup_samples(self, limit: int) -> list[PromptSample]:
+        return self.train_set.prepare_all(limit=limit)
+
+    def state(self) -> dict[str, Any]:
+        return {**self.loader.source_state(), "kl_coef": self.kl_ctrl.value}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.loader.load_source_state(state)
+        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
+
+    def save_files(self, model_folder: Path) -> None:
+        return None  # the weights and the processor are all a prompt policy needs
+
+    def close(self) -> None:
+        self.loader.close()
+        self.rewards.close()
+
+
+def make_kl_controller(cfg: Config) -> KLController:
+    """β for the KL reward penalty; warns when KL is also a loss term, as both then pull to π_ref."""
+    kl = cfg.algorithm.kl_ctrl
+    if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:
+        log.warning(
+            "algorithm.use_kl_in_reward and actor.use_kl_loss are both on: KL to the reference is "
+            "penalised twice (in the reward and in the loss); set actor.use_kl_loss=false unless intended"
+        )
+    if kl.type == "adaptive":
+        return AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
+    return FixedKLController(kl.kl_coef)
+
+
+def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[PromptDataset, PreparedRows]:
+    """The training set (prepared lazily, row by row) and the prepared validation samples.
+
+    A text-only model's processor is its tokenizer: its datasets have no pixel budgets, and rows
+    with images or videos are refused here, before any training, rather than skipped one by one."""
+    d = cfg.data
+    family = family_of(model_config)
+    tok = tokenizer_of(processor)
+    if not family.takes_images:
+        train = PromptDataset.from_config(d.train_files, d, tok, None, None)
+        val_set = (
+            PromptDataset.from_config(d.val_files, d, tok, None, None, key="val_files")
+            if d.val_files
+            else None
+        )
+        for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
+            media = dataset.media_rows() if dataset is not None else 0
+            if media:
+                raise ConfigError(
+                    f"data.{name}_files ({', '.join(map(str, files))}): {media} of {len(dataset)} rows have "
+                    f"images or videos, but model.path {cfg.model.path} is a text-only model "
+                    f"({model_config.model_type}, family {family.name}) that cannot see them. Remove those "
+                    "rows (or their image/video columns), or train a vision-language model."
+                )
+        return train, _prepared_val(val_set, d.max_val_samples)
+    grid = family.grid()
+    budget = image_budget(d, model_config)
+    try:
+        video_budget = VideoBudget(
+            fps=d.video_fps,
+            max_frames=d.video_max_frames,
+            min_pixels=d.video_min_pixels,
+            max_pixels=d.video_max_pixels,
+            max_total_pixels=d.video_max_total_pixels,
+            patch_size=grid.patch,
+            merge_size=grid.merge,
+            temporal_patch_size=grid.temporal,
+            rule=family.video_size_rule,
+        )
+    except ValueError as err:
+        raise ConfigError(f"data.video_*: {err}") from None
+    images = processor.image_processor
+    videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
+    train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
+    val_set = (
+        PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos, key="val_files")
+        if d.val_files
+        else None
+    )
+    return train, _prepared_val(val_set, d.max_val_samples)
+
+
+def _prepared_val(val_set: PromptDataset | None, limit: int | None) -> PreparedRows:
+    """The validation samples; a validation set with no usable row is refused rather than
+    silently turning validation off."""
+    if val_set is None:
+        return PreparedRows([], Counter())
+    val = val_set.prepare_all(limit)
+    if not val:
+        raise val_set.unusable()
+    if val_set.skipped:
+        log.warning("validation rows skipped: %s", dict(val_set.skipped))
+    return val
