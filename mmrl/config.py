@@ -188,6 +188,18 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     max_new_tokens: int = Field(512, gt=0, description="Response length budget in tokens")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0: generate, then train (synchronous). K > 0: a rollout worker of its own generates "
+        "the next K batches while the trainer updates, each sampled by a policy at most K updates old; "
+        "needs actor.rollout_correction",
+    )
+    worker_cpus: int = Field(
+        1,
+        gt=0,
+        description="With max_staleness > 0: CPU cores of the rollout worker (the trainer keeps the rest)",
+    )
     val: ValSamplingConfig = ValSamplingConfig()
 
 
@@ -505,6 +517,7 @@ class Config(_Section):
                 f"({self.trainer.total_steps}), or the actor never trains"
             )
         self._check_tensor_parallel()
+        self._check_staleness()
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
@@ -526,6 +539,26 @@ class Config(_Section):
         hit = [name for name, bad in refused.items() if bad]
         if hit:
             raise ValueError(f"an env section (VLA episodes) does not combine with {'; '.join(hit)}")
+
+    def _check_staleness(self) -> None:
+        """Overlapped rollouts sample from an older policy, which only a rollout correction accounts for."""
+        k = self.rollout.max_staleness
+        if not k:
+            return
+        if self.env is not None:
+            raise ValueError(
+                f"rollout.max_staleness={k}: VLA episodes are generated synchronously; set it to 0"
+            )
+        if self.trainer.uses_workers:
+            raise ValueError(
+                f"rollout.max_staleness={k} runs one rollout worker beside a trainer in this process; with Ray "
+                "trainer workers (trainer.n_gpus_per_node > 1, trainer.ray_address) set it to 0"
+            )
+        if self.actor.rollout_correction is None:
+            raise ValueError(
+                f"rollout.max_staleness={k} trains on rollouts sampled up to {k} updates ago: set "
+                "actor.rollout_correction (tis is the usual choice) so the loss weights them by pi_old/pi_rollout"
+            )
 
     def _check_tensor_parallel(self) -> None:
         """A vLLM engine over `tp` ranks is built from that many Ray workers on one node (its ranks talk

@@ -33,6 +33,7 @@ from mmrl.optim import apply_settings
 from mmrl.progress import TrainingProgress
 from mmrl.resume import check_resume, record_config
 from mmrl.rollout import engine_from_config
+from mmrl.rollout.remote import RemoteRollout
 from mmrl.rollout.source import RolloutSource, StepContext, source_from_config
 from mmrl.run_lock import RunLock
 from mmrl.stop_signals import RunInterrupted, StopSignals
@@ -109,8 +110,10 @@ class Trainer:
         self.engine: Any
         self.actor: Any
         if self.model is not None:
-            self.engine = engine_from_config(
-                cfg, self.model, self.processor, self.compute_dtype, cfg.model.path
+            self.engine = (
+                RemoteRollout(cfg, self.model)  # generates ahead while this process trains
+                if cfg.rollout.max_staleness
+                else engine_from_config(cfg, self.model, self.processor, self.compute_dtype, cfg.model.path)
             )
             self.actor = self._make_actor()
         self.critic: Critic | CriticRole | None = self._make_critic(cfg.critic.model_path or cfg.model.path)
@@ -139,8 +142,8 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            if self.workers is not None:
-                self.workers.shutdown()
+            if (stop := getattr(self.workers or self.engine, "shutdown", None)) is not None:
+                stop()  # Ray workers: the policy group's, or an overlapped run's rollout worker
             self.lock.release()
 
     def _fit(self) -> dict[str, Any]:

@@ -83,6 +83,15 @@ RUNS: dict[str, LearningRun] = {
         min_gain=0.3,
         overrides=("trainer.n_gpus_per_node=2",),
     ),
+    # the quickstart with overlapped rollouts: a rollout worker samples each batch one update behind
+    # (rollout.max_staleness=1), truncated importance sampling corrects for it; threshold: the GRPO run's
+    "async": LearningRun(
+        "configs/quickstart.yaml",
+        colour_task,
+        steps=100,
+        min_gain=0.3,
+        overrides=("rollout.max_staleness=1", "actor.rollout_correction=tis"),
+    ),
     # the clip task `recolor`, chance 1/4; gains 0.50, 0.55, 0.50 (seeds 1-3, AVX2) and 0.25, 0.66, 0.75
     # (native). Learning goes colour by colour: +0.25 is the first colour beyond the warm-up's.
     "video": LearningRun("configs/quickstart_video.yaml", recolor_task, steps=100, min_gain=0.15),

@@ -19,6 +19,17 @@ def test_quickstart_recipe_learns_with_two_fsdp_workers(local_ray, tmp_path, tin
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+@pytest.mark.timeout(1500)
+def test_quickstart_recipe_learns_with_rollouts_one_update_behind(
+    local_ray, tmp_path, tiny_model_dir
+) -> None:
+    """`rollout.max_staleness=1`: every batch after the first is sampled by the policy before the last
+    update, and the run learns as the synchronous GRPO run does (the same threshold)."""
+    _learns("async", tmp_path, tiny_model_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_video_quickstart_learns_the_colour_a_dot_ends_as(tmp_path, tiny_model_dir) -> None:
     """From chance (1/4): the dot shows two colours, and only the frames' order says which is the last."""

@@ -9,7 +9,7 @@ reward), through the configured estimator.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from mmrl.prefetch import PrefetchLoader
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.source import StepContext
 from mmrl.scoring import FailingRewards, generate_and_score, reward_inputs, reward_label, reward_metrics
+from mmrl.workers.rollout import POLICY_VERSION
 from processors import VideoBudget
 from rewards import RewardManager
 
@@ -69,6 +70,10 @@ class PromptSource:
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.kl_ctrl = make_kl_controller(cfg)
         self.validates = bool(self.val_samples)
+        # Generations sent ahead (`rollout.max_staleness`), each with the loader's state after its prompts
+        # were drawn; `drawn_state` is that of the batch last taken out, where a resumed run continues.
+        self.in_flight: deque[tuple[dict[str, Any], Any]] = deque()
+        self.drawn_state = self.loader.source_state()
 
     # ---------------------------------------------------------------- rollouts
     def sampling(self, engine: Any) -> SamplingParams:
@@ -120,13 +125,11 @@ class PromptSource:
         return merged, metrics
 
     def _scored_rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
-        """Generate for the loader's next prompts and score them, overlong shaping included."""
-        with ctx.timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
-            prompts = self.loader.next_batch()  # data without a usable row is no engine failure
-        with ctx.timer("rollout"), ctx.guard("rollout"):
-            batch = ctx.engine.generate(prompts, self.sampling(ctx.engine))
+        """The next generated batch, scored, overlong shaping included."""
+        batch, metrics = self._next_generated(ctx)
         with ctx.timer("reward"):
-            scores, metrics = self.score(batch, "reward", ctx.step)
+            scores, reward = self.score(batch, "reward", ctx.step)
+        metrics.update(reward)
         algo = self.cfg.algorithm
         if algo.overlong_buffer_len:
             penalty = overlong_penalty(
@@ -139,6 +142,30 @@ class PromptSource:
             metrics["reward/overlong_penalty"] = float(penalty.mean())
         batch.set(scores=scores)
         return batch, metrics
+
+    def _next_generated(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
+        """The oldest batch in flight, after sending the loader's next prompts until `rollout.max_staleness`
+        more are in flight behind it (none: generate, then train). With a rollout worker the update runs
+        while those generate; each row records the policy version that sampled it."""
+        while len(self.in_flight) <= self.cfg.rollout.max_staleness:
+            with ctx.timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
+                prompts = self.loader.next_batch()  # data without a usable row is no engine failure
+            with ctx.timer("rollout"), ctx.guard("rollout"):
+                submit = getattr(ctx.engine, "submit", None)  # a rollout worker's, which returns at once
+                params = self.sampling(ctx.engine)
+                pending = submit(prompts, params) if submit else _Ready(ctx.engine.generate(prompts, params))
+            self.in_flight.append((self.loader.source_state(), pending))
+        self.drawn_state, pending = self.in_flight.popleft()
+        with ctx.timer("rollout"), ctx.guard("rollout"):
+            batch = pending.result()
+        if POLICY_VERSION not in batch:
+            return batch, {}
+        staleness = (ctx.engine.version - batch[POLICY_VERSION]).float()
+        return batch, {
+            "rollout/staleness_mean": float(staleness.mean()),
+            "rollout/staleness_max": float(staleness.max()),
+            "rollout/worker_restarts": ctx.engine.restarts,
+        }
 
     def score(self, batch: Batch, prefix: str, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
         result = self.rewards.score(reward_inputs(batch))
@@ -241,10 +268,12 @@ class PromptSource:
         return self.train_set.prepare_all(limit=limit)
 
     def state(self) -> dict[str, Any]:
-        return {**self.loader.source_state(), "kl_coef": self.kl_ctrl.value}
+        """The data cursor after the last batch trained on: batches still in flight are drawn again on resume."""
+        return {**self.drawn_state, "kl_coef": self.kl_ctrl.value}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.loader.load_source_state(state)
+        self.drawn_state = self.loader.source_state()
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
 
     def save_files(self, model_folder: Path) -> None:
@@ -253,6 +282,16 @@ class PromptSource:
     def close(self) -> None:
         self.loader.close()
         self.rewards.close()
+
+
+class _Ready:
+    """A generation already done, handed out like one in flight."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+
+    def result(self) -> Batch:
+        return self.batch
 
 
 def make_kl_controller(cfg: Config) -> KLController:

@@ -1,0 +1,136 @@
+"""The rollout engine of an overlapped run (`rollout.max_staleness` > 0): a Ray worker of its own.
+
+`submit` sends a generation and returns at once, so the trainer updates while the worker generates;
+`sync_weights` sends the trainer's weights after an update, and the worker loads them before any
+generation submitted later. A worker that dies is replaced: the new one gets the newest weights and
+every generation still owed is sent again (counted in `restarts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmrl.batch import Batch
+from mmrl.config import Config
+from mmrl.data import PromptSample
+from mmrl.errors import WorkerError
+from mmrl.lora import merged_state
+from mmrl.rollout.base import SamplingParams
+
+log = logging.getLogger("mmrl.rollout.remote")
+MAX_DEATHS_IN_A_ROW = 3  # a worker that dies each time it generates one batch will not survive a fourth try
+
+
+@dataclass
+class _Owed:
+    """A submitted generation whose rows have not been collected yet."""
+
+    prompts: list[PromptSample]
+    params: SamplingParams
+    seed: int
+    ref: Any  # the Ray object the worker's batch will be
+
+
+class Pending:
+    """A generation in flight; `result()` waits for its rows."""
+
+    def __init__(self, remote: RemoteRollout, owed: _Owed) -> None:
+        self.remote, self.owed = remote, owed
+
+    def result(self) -> Batch:
+        return self.remote.collect(self.owed)
+
+
+class RemoteRollout:
+    """Generates on a `mmrl.workers.rollout.RolloutWorker` with the weights the trainer last sent."""
+
+    logprobs_are_free = (
+        True  # the worker's sampling log-probs travel with its rows, for the rollout correction
+    )
+
+    def __init__(self, cfg: Config, model: Any) -> None:
+        from mmrl.workers.group import connect  # Ray is imported only by runs that use it
+
+        connect(cfg.trainer.ray_address)
+        self.cfg, self.model = cfg, model
+        # The trainer keeps the cores the worker does not take, so update and generation do not compete.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.worker_cpus))
+        self.version = -1  # updates behind the weights last sent; the run's first sync sends version 0
+        self.weights: Any = None
+        self.owed: list[_Owed] = []
+        self.restarts = 0
+        self.worker = self._start()
+
+    def _start(self) -> Any:
+        import ray
+
+        from mmrl.workers.rollout import RolloutWorker
+
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        worker = (
+            ray.remote(RolloutWorker)
+            .options(num_cpus=self.cfg.rollout.worker_cpus, num_gpus=gpus, max_restarts=0)
+            .remote()
+        )
+        ray.get(worker.setup.remote(self.cfg))
+        if self.weights is not None:
+            worker.load_weights.remote(self.weights, self.version)
+        return worker
+
+    def submit(self, prompts: list[PromptSample], params: SamplingParams) -> Pending:
+        seed = int(torch.randint(2**31 - 1, ()))  # from the trainer's RNG, which checkpoints restore
+        owed = _Owed(prompts, params, seed, self.worker.generate.remote(prompts, params, seed))
+        self.owed.append(owed)
+        return Pending(self, owed)
+
+    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        return self.submit(prompts, params).result()
+
+    def collect(self, owed: _Owed) -> Batch:
+        import ray
+
+        for _ in range(MAX_DEATHS_IN_A_ROW):
+            try:
+                batch = ray.get(owed.ref)
+            except ray.exceptions.RayActorError as err:
+                self._replace(err)
+                continue
+            self.owed.remove(owed)
+            return batch
+        raise WorkerError(
+            f"the rollout worker died {MAX_DEATHS_IN_A_ROW} times in a row generating the same batch (out of "
+            "memory? `dmesg` or Ray's logs say): lower data.train_batch_size, rollout.n or rollout.max_new_tokens"
+        )
+
+    def _replace(self, err: Exception) -> None:
+        """A new worker with the newest weights, and every owed generation sent to it again in order."""
+        self.restarts += 1
+        log.warning(
+            "the rollout worker died (%s); replacing it and generating its %d outstanding batch(es) again",
+            type(err).__name__,
+            len(self.owed),
+        )
+        self.worker = self._start()
+        for owed in self.owed:
+            owed.ref = self.worker.generate.remote(owed.prompts, owed.params, owed.seed)
+
+    def sync_weights(self) -> None:
+        """Send the trainer's current weights (LoRA merged), loaded before any generation submitted later."""
+        import ray
+
+        self.version += 1
+        self.weights = ray.put({name: tensor.cpu() for name, tensor in merged_state(self.model)})
+        self.worker.load_weights.remote(self.weights, self.version)
+
+    def sleep(self) -> None:
+        return None  # the worker's memory is its own: nothing of the trainer's to give back
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.kill(self.worker)

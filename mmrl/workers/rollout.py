@@ -1,0 +1,52 @@
+"""A rollout worker: its own copy of the policy and an engine, generating while the trainer updates.
+
+It runs in a Ray actor of its own (`rollout.worker_cpus` cores, or a GPU of its own), so generation and
+the update overlap (`rollout.max_staleness`). Ray runs one actor's calls in the order they were sent, so
+weights loaded after an update reach every generation submitted after them, and each returned row says
+which policy version sampled it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mmrl.batch import Batch
+from mmrl.config import Config
+from mmrl.data import PromptSample
+from mmrl.models import load_policy, load_processor, resolve_dtype
+from mmrl.rollout import SamplingParams, engine_from_config
+
+POLICY_VERSION = (
+    "policy_version"  # batch tensor: the number of updates behind the weights that sampled each row
+)
+
+
+class RolloutWorker:
+    """Created empty by Ray; `setup` loads the policy's architecture and builds the engine."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, cfg: Config) -> None:
+        torch.set_num_threads(cfg.rollout.worker_cpus)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = load_policy(cfg.model.path, torch.float32, device).eval()
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        self.engine = engine_from_config(
+            cfg, self.model, load_processor(cfg.model.path), dtype, cfg.model.path
+        )
+        self.version = -1  # no trainer weights yet: the first `load_weights` brings version 0
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """The trainer's whole weights (LoRA merged in) after its `version`-th update."""
+        self.model.load_state_dict(state)
+        self.engine.sync_weights()
+        self.version = version
+
+    def generate(self, prompts: list[PromptSample], params: SamplingParams, seed: int) -> Batch:
+        torch.manual_seed(seed)  # drawn by the trainer's RNG
+        batch = self.engine.generate(prompts, params)
+        batch.set(**{POLICY_VERSION: torch.full((len(batch),), self.version)})
+        return batch
