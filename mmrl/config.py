@@ -549,11 +549,6 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_staleness={k}: VLA episodes are generated synchronously; set it to 0"
             )
-        if self.trainer.uses_workers:
-            raise ValueError(
-                f"rollout.max_staleness={k} runs one rollout worker beside a trainer in this process; with Ray "
-                "trainer workers (trainer.n_gpus_per_node > 1, trainer.ray_address) set it to 0"
-            )
         if self.actor.rollout_correction is None:
             raise ValueError(
                 f"rollout.max_staleness={k} trains on rollouts sampled up to {k} updates ago: set "

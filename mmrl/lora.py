@@ -72,6 +72,11 @@ def merged_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name.replace(".base_layer.", "."), tensor.detach()
 
 
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`merged_state` collected on the CPU: what a rollout worker of its own loads."""
+    return {name: tensor.cpu() for name, tensor in merged_state(model)}
+
+
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor in full: an FSDP2 shard (DTensor) is gathered from every rank, which must all ask in step."""
     full = getattr(tensor, "full_tensor", None)

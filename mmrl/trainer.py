@@ -11,6 +11,7 @@ import random
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from mmrl.config import Config
 from mmrl.critic import Critic, build_critic, critic_plan, needs_critic, value_model
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.logger import MetricsLogger, plot_reward_curve
-from mmrl.lora import apply_lora
+from mmrl.lora import apply_lora, merged_weights
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
 from mmrl.optim import apply_settings
 from mmrl.progress import TrainingProgress
@@ -111,7 +112,7 @@ class Trainer:
         self.actor: Any
         if self.model is not None:
             self.engine = (
-                RemoteRollout(cfg, self.model)  # generates ahead while this process trains
+                RemoteRollout(cfg, partial(merged_weights, self.model))  # generates ahead while this trains
                 if cfg.rollout.max_staleness
                 else engine_from_config(cfg, self.model, self.processor, self.compute_dtype, cfg.model.path)
             )
@@ -142,8 +143,9 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            if (stop := getattr(self.workers or self.engine, "shutdown", None)) is not None:
-                stop()  # Ray workers: the policy group's, or an overlapped run's rollout worker
+            for role in {id(r): r for r in (self.engine, self.workers)}.values():
+                if (stop := getattr(role, "shutdown", None)) is not None:
+                    stop()  # Ray workers: the policy group's, an overlapped run's rollout worker
             self.lock.release()
 
     def _fit(self) -> dict[str, Any]:
@@ -391,7 +393,11 @@ class Trainer:
         cfg = self.cfg.model_copy(deep=True)
         cfg.model.path = str(start)
         self.workers = PolicyGroup(cfg)
-        self.engine = self.actor = self.workers
+        self.actor = self.workers
+        # Overlapped: a rollout worker of its own, fed the whole weights gathered from the shards.
+        self.engine = (
+            RemoteRollout(cfg, self.workers.merged_weights) if cfg.rollout.max_staleness else self.workers
+        )
         self.critic = self.workers.critic
         roles = "actor and critic" if self.critic is not None else "actor"
         self.console.print(

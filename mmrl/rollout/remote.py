@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +19,11 @@ import torch
 from mmrl.batch import Batch
 from mmrl.config import Config
 from mmrl.data import PromptSample
-from mmrl.errors import WorkerError
-from mmrl.lora import merged_state
+from mmrl.errors import ResourceError, WorkerError
 from mmrl.rollout.base import SamplingParams
 
 log = logging.getLogger("mmrl.rollout.remote")
+PLACEMENT_TIMEOUT_S = 120.0
 MAX_DEATHS_IN_A_ROW = 3  # a worker that dies each time it generates one batch will not survive a fourth try
 
 
@@ -53,11 +54,13 @@ class RemoteRollout:
         True  # the worker's sampling log-probs travel with its rows, for the rollout correction
     )
 
-    def __init__(self, cfg: Config, model: Any) -> None:
+    def __init__(self, cfg: Config, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """`weights()`: the trainer's whole current weights, LoRA merged, under the plain model's names
+        (`mmrl.lora.merged_weights` in this process, `PolicyGroup.merged_weights` from FSDP workers)."""
         from mmrl.workers.group import connect  # Ray is imported only by runs that use it
 
         connect(cfg.trainer.ray_address)
-        self.cfg, self.model = cfg, model
+        self.cfg, self.current_weights = cfg, weights
         # The trainer keeps the cores the worker does not take, so update and generation do not compete.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.worker_cpus))
         self.version = -1  # updates behind the weights last sent; the run's first sync sends version 0
@@ -72,11 +75,17 @@ class RemoteRollout:
         from mmrl.workers.rollout import RolloutWorker
 
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        worker = (
-            ray.remote(RolloutWorker)
-            .options(num_cpus=self.cfg.rollout.worker_cpus, num_gpus=gpus, max_restarts=0)
-            .remote()
-        )
+        cpus = self.cfg.rollout.worker_cpus
+        worker = ray.remote(RolloutWorker).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0).remote()
+        placed, _ = ray.wait([worker.pid.remote()], timeout=PLACEMENT_TIMEOUT_S)
+        if not placed:
+            ray.kill(worker)
+            raise ResourceError(
+                f"the rollout worker (rollout.max_staleness) needs {cpus} CPU(s){' and a GPU' if gpus else ''} "
+                f"that the trainer does not hold, and the Ray cluster had none free within {PLACEMENT_TIMEOUT_S:.0f} s "
+                "(`ray status` shows who holds them). Free them, lower trainer.n_gpus_per_node or "
+                "rollout.worker_cpus, or add a node."
+            )
         ray.get(worker.setup.remote(self.cfg))
         if self.weights is not None:
             worker.load_weights.remote(self.weights, self.version)
@@ -124,7 +133,7 @@ class RemoteRollout:
         import ray
 
         self.version += 1
-        self.weights = ray.put({name: tensor.cpu() for name, tensor in merged_state(self.model)})
+        self.weights = ray.put(self.current_weights())
         self.worker.load_weights.remote(self.weights, self.version)
 
     def sleep(self) -> None:

@@ -240,6 +240,10 @@ class PolicyGroup:
     def sleep(self) -> None:
         self.group.run("sleep", [()] * self.world)
 
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The whole policy with LoRA merged, gathered from the shards (`PolicyWorker.merged_weights`)."""
+        return self.group.run("merged_weights", [()] * self.world, "weight sync")[0]
+
     # ------------------------------------------------------------ actor
     def logprobs(self, batch: Batch) -> torch.Tensor:
         return self.rowwise("logprobs", batch)

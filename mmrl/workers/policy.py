@@ -24,7 +24,7 @@ from mmrl.batch import Batch
 from mmrl.config import Config
 from mmrl.critic import needs_critic
 from mmrl.data import PromptSample
-from mmrl.lora import apply_lora
+from mmrl.lora import apply_lora, merged_state
 from mmrl.micro_batches import Layout
 from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.optim import MiniBatch, UpdateStats, apply_settings
@@ -81,7 +81,8 @@ class PolicyWorker:
         self.critic = (
             sharded_critic(cfg, device, self.pad_id, self.compute_dtype) if needs_critic(cfg) else None
         )
-        if resolve_engine(cfg.rollout.engine) == "vllm":  # an engine (or its tensor-parallel rank) per worker
+        # A vLLM engine (or its tensor-parallel rank) per worker, unless a rollout worker of its own generates.
+        if resolve_engine(cfg.rollout.engine) == "vllm" and not cfg.rollout.max_staleness:
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
         else:  # generates with the shards themselves; ranks step together
             self.engine = HFEngine(self.model, processor, self.compute_dtype, synced_gpus=world_size > 1)
@@ -93,6 +94,16 @@ class PolicyWorker:
 
     def sync_weights(self) -> None:
         self.engine.sync_weights()
+
+    def merged_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole policy, LoRA folded in, under the plain model's names, for a rollout worker of its own
+        (`rollout.max_staleness`). A collective: every rank gathers each tensor from the shards in turn,
+        and only rank 0 keeps them."""
+        state = {}
+        for name, tensor in merged_state(self.model):
+            if self.rank == 0:
+                state[name] = tensor.cpu()
+        return state if self.rank == 0 else None
 
     def sleep(self) -> None:
         self.engine.sleep()
