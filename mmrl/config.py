@@ -549,6 +549,11 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_staleness={k}: VLA episodes are generated synchronously; set it to 0"
             )
+        if self.rollout.vllm.tensor_parallel_size > 1 and self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.max_staleness={k} generates on one rollout worker with one GPU, so its vLLM engine "
+                "cannot be split: set rollout.vllm.tensor_parallel_size=1"
+            )
         if self.actor.rollout_correction is None:
             raise ValueError(
                 f"rollout.max_staleness={k} trains on rollouts sampled up to {k} updates ago: set "

@@ -72,6 +72,9 @@ def load_for_eval(cfg: Config, checkpoint: str | Path) -> tuple[Path, Any, Any, 
         model = load_policy(model_dir, torch.float32, device).eval()
     processor = load_processor(model_dir)
     compute_dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.rollout.vllm.tensor_parallel_size > 1:  # training split each engine over workers; here it is whole
+        cfg = cfg.model_copy(deep=True)
+        cfg.rollout.vllm.tensor_parallel_size = 1
     engine = engine_from_config(cfg, model, processor, compute_dtype, model.config._name_or_path)
     engine.sync_weights()  # vLLM loads the architecture from the folder; the weights are the model's
     return model_dir, model, processor, engine

@@ -24,7 +24,7 @@ from transformers import AutoConfig
 from mmrl import checkpoint as ckpt
 from mmrl.actor import Actor, build_actor, needs_reference
 from mmrl.batch import Batch
-from mmrl.config import Config
+from mmrl.config import Config, ConfigError
 from mmrl.critic import Critic, build_critic, critic_plan, needs_critic, value_model
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.logger import MetricsLogger, plot_reward_curve
@@ -65,9 +65,12 @@ class Trainer:
     ) -> None:
         """`source`: where the steps' rollouts come from; by default the config's (`source_from_config`)."""
         self.lock = RunLock(cfg.run_dir)  # held until `fit` ends: a second run in the folder stops at once
+        self.workers: PolicyGroup | None = None
+        self.engine: Any = None
         try:
             self._build(cfg, resume, console, source)
         except BaseException:
+            self._stop_workers()
             self.lock.release()
             raise
 
@@ -94,7 +97,6 @@ class Trainer:
         self.processor = load_processor(cfg.model.path)
         self.pad_id = tokenizer_of(self.processor).pad_token_id
         # With Ray workers the policy lives in them (FSDP2 shards); the controller holds no weights.
-        self.workers: PolicyGroup | None = None
         self.model: Any = None
         if not cfg.trainer.uses_workers:
             self.model = load_policy(cfg.model.path, torch.float32, device)
@@ -108,8 +110,13 @@ class Trainer:
             cfg, self.processor, AutoConfig.from_pretrained(cfg.model.path)
         )
         self.peft: Any = None  # the PeftModel wrapper once LoRA adapters are in
-        self.engine: Any
         self.actor: Any
+        if self.model is not None and cfg.rollout.max_staleness and device == "cuda":
+            raise ConfigError(
+                "rollout.max_staleness on a GPU: the trainer in this process would share its GPU with the rollout "
+                "worker. Run the trainer in a Ray worker too, so each has a GPU of its own: add "
+                "trainer.ray_address=local (or auto on a cluster started with `ray start`)"
+            )
         if self.model is not None:
             self.engine = (
                 RemoteRollout(cfg, partial(merged_weights, self.model))  # generates ahead while this trains
@@ -143,10 +150,18 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            for role in {id(r): r for r in (self.engine, self.workers)}.values():
-                if (stop := getattr(role, "shutdown", None)) is not None:
-                    stop()  # Ray workers: the policy group's, an overlapped run's rollout worker
+            self._stop_workers()
             self.lock.release()
+
+    def _stop_workers(self) -> None:
+        """Kill the Ray actors of this run: the policy group's, an overlapped run's rollout worker. A
+        failure to is logged, not raised: it must not hide why the run ended."""
+        for role in {id(r): r for r in (self.engine, self.workers) if r is not None}.values():
+            if (stop := getattr(role, "shutdown", None)) is not None:
+                try:
+                    stop()
+                except Exception as err:
+                    log.warning("could not stop %s: %r", type(role).__name__, err)
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg.trainer

@@ -174,12 +174,16 @@ class PromptSource:
         return torch.tensor(result.overall, dtype=torch.float32), reward_metrics(result, prefix)
 
     def metrics(self, batch: Batch) -> dict[str, Any]:
-        """Where the loader stands; `data/rows` lists every prompt drawn this step, filtered or not."""
-        metrics: dict[str, Any] = {f"data/skipped/{k}": v for k, v in self.loader.skipped.items()}
-        metrics["data/epoch"] = self.loader.epoch
+        """Where the loader stood after the batch trained on (not the batches in flight behind it);
+        `data/rows` lists every prompt of the step, filtered or not."""
+        state = self.drawn_state
+        metrics: dict[str, Any] = {
+            f"data/skipped/{k}": v for k, v in Counter(state["bad_rows"].values()).items()
+        }
+        metrics["data/epoch"] = state["loader"]["epoch"]
         metrics["data/rows"] = [p.row_id for p in batch.prompts]
-        if self.loader.huge_images:
-            metrics["data/huge_images"] = self.loader.huge_images
+        if huge := sum(state["huge_rows"].values()):
+            metrics["data/huge_images"] = huge
         return metrics
 
     # ---------------------------------------------------------------- learning

@@ -27,7 +27,7 @@ PLACEMENT_TIMEOUT_S = 120.0
 MAX_DEATHS_IN_A_ROW = 3  # a worker that dies each time it generates one batch will not survive a fourth try
 
 
-@dataclass
+@dataclass(eq=False)  # owed generations are told apart by identity: their prompts hold tensors
 class _Owed:
     """A submitted generation whose rows have not been collected yet."""
 
@@ -54,16 +54,17 @@ class RemoteRollout:
         True  # the worker's sampling log-probs travel with its rows, for the rollout correction
     )
 
-    def __init__(self, cfg: Config, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
-        """`weights()`: the trainer's whole current weights, LoRA merged, under the plain model's names
-        (`mmrl.lora.merged_weights` in this process, `PolicyGroup.merged_weights` from FSDP workers)."""
+    def __init__(self, cfg: Config, weights: Callable[[], Any]) -> None:
+        """`weights()`: the trainer's whole current weights, LoRA merged, under the plain model's names, or
+        a Ray reference to them (`mmrl.lora.merged_weights` in this process, `PolicyGroup.merged_weights`
+        from FSDP workers)."""
         from mmrl.workers.group import connect  # Ray is imported only by runs that use it
 
         connect(cfg.trainer.ray_address)
         self.cfg, self.current_weights = cfg, weights
         # The trainer keeps the cores the worker does not take, so update and generation do not compete.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.worker_cpus))
-        self.version = -1  # updates behind the weights last sent; the run's first sync sends version 0
+        self.version = -1  # the version of the weights last sent: the number of updates in them (0 first)
         self.weights: Any = None
         self.owed: list[_Owed] = []
         self.restarts = 0
@@ -86,7 +87,11 @@ class RemoteRollout:
                 "(`ray status` shows who holds them). Free them, lower trainer.n_gpus_per_node or "
                 "rollout.worker_cpus, or add a node."
             )
-        ray.get(worker.setup.remote(self.cfg))
+        try:
+            ray.get(worker.setup.remote(self.cfg))
+        except BaseException:
+            ray.kill(worker)
+            raise
         if self.weights is not None:
             worker.load_weights.remote(self.weights, self.version)
         return worker
@@ -103,18 +108,22 @@ class RemoteRollout:
     def collect(self, owed: _Owed) -> Batch:
         import ray
 
-        for _ in range(MAX_DEATHS_IN_A_ROW):
+        deaths = 0
+        while True:
             try:
                 batch = ray.get(owed.ref)
             except ray.exceptions.RayActorError as err:
+                deaths += 1
+                if deaths == MAX_DEATHS_IN_A_ROW:
+                    raise WorkerError(
+                        f"the rollout worker died {deaths} times in a row generating the same batch (out of "
+                        "memory? `dmesg` or Ray's logs say): lower data.train_batch_size, rollout.n or "
+                        "rollout.max_new_tokens"
+                    ) from err
                 self._replace(err)
                 continue
-            self.owed.remove(owed)
+            self.owed = [o for o in self.owed if o is not owed]
             return batch
-        raise WorkerError(
-            f"the rollout worker died {MAX_DEATHS_IN_A_ROW} times in a row generating the same batch (out of "
-            "memory? `dmesg` or Ray's logs say): lower data.train_batch_size, rollout.n or rollout.max_new_tokens"
-        )
 
     def _replace(self, err: Exception) -> None:
         """A new worker with the newest weights, and every owed generation sent to it again in order."""
@@ -124,6 +133,7 @@ class RemoteRollout:
             type(err).__name__,
             len(self.owed),
         )
+        self.shutdown()  # a worker that is only unreachable would otherwise keep its cores or GPU
         self.worker = self._start()
         for owed in self.owed:
             owed.ref = self.worker.generate.remote(owed.prompts, owed.params, owed.seed)
@@ -133,7 +143,8 @@ class RemoteRollout:
         import ray
 
         self.version += 1
-        self.weights = ray.put(self.current_weights())
+        weights = self.current_weights()  # FSDP workers hand back a reference to what they put in the store
+        self.weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self.worker.load_weights.remote(self.weights, self.version)
 
     def sleep(self) -> None:

@@ -74,7 +74,8 @@ def _launcher_env() -> dict[str, str]:
     if not dist.is_initialized():
         raise RuntimeError(
             "rollout.vllm.tensor_parallel_size > 1 runs one engine over several Ray workers and needs their "
-            "process group: train on workers (trainer.n_gpus_per_node >= tensor_parallel_size)."
+            "process group: train on workers (trainer.n_gpus_per_node a multiple of tensor_parallel_size); "
+            "one process (`mmrl eval`, a rollout worker) runs the engine whole."
         )
     device = torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank()
     return {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(device)}

@@ -102,7 +102,9 @@ class EpisodeSource:
         a fresh round would need fresh initial states and as long again)."""
         cfg, r = self.cfg, self.cfg.rollout
         seeds = train_seeds(cfg.trainer.seed, ctx.step, cfg.data.train_batch_size, cfg.env.val_seed)
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        params = SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, logprobs=ctx.engine.logprobs_are_free
+        )
         with ctx.timer("rollout"):
             episodes = self.episodes(ctx, [s for s in seeds for _ in range(r.n)], params, group_size=r.n)
         batch = episodes.batch

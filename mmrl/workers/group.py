@@ -240,8 +240,9 @@ class PolicyGroup:
     def sleep(self) -> None:
         self.group.run("sleep", [()] * self.world)
 
-    def merged_weights(self) -> dict[str, torch.Tensor]:
-        """The whole policy with LoRA merged, gathered from the shards (`PolicyWorker.merged_weights`)."""
+    def merged_weights(self) -> ray.ObjectRef:
+        """The whole policy with LoRA merged, gathered from the shards, as rank 0 put it in the object store
+        (`PolicyWorker.merged_weights`)."""
         return self.group.run("merged_weights", [()] * self.world, "weight sync")[0]
 
     # ------------------------------------------------------------ actor

@@ -95,15 +95,17 @@ class PolicyWorker:
     def sync_weights(self) -> None:
         self.engine.sync_weights()
 
-    def merged_weights(self) -> dict[str, torch.Tensor] | None:
+    def merged_weights(self) -> Any:
         """The whole policy, LoRA folded in, under the plain model's names, for a rollout worker of its own
         (`rollout.max_staleness`). A collective: every rank gathers each tensor from the shards in turn,
-        and only rank 0 keeps them."""
+        and only rank 0 keeps them, in Ray's object store (its reference goes back, not a copy)."""
+        import ray
+
         state = {}
         for name, tensor in merged_state(self.model):
             if self.rank == 0:
                 state[name] = tensor.cpu()
-        return state if self.rank == 0 else None
+        return ray.put(state) if self.rank == 0 else None
 
     def sleep(self) -> None:
         self.engine.sleep()

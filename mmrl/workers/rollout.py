@@ -18,9 +18,8 @@ from mmrl.data import PromptSample
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 
-POLICY_VERSION = (
-    "policy_version"  # batch tensor: the number of updates behind the weights that sampled each row
-)
+# Batch tensor: the version (updates applied) of the weights that sampled each row.
+POLICY_VERSION = "policy_version"
 
 
 class RolloutWorker:
