@@ -144,3 +144,27 @@ def tiny_vla_config(model_dir: Path, output_dir: Path, *overrides: str) -> Confi
             *overrides,
         ],
     )
+
+
+OVERLAPPED = ("rollout.max_staleness=1", "actor.rollout_correction=tis")
+
+
+def overlapped_config(model_dir: Path, root: Path, *overrides: str) -> Config:
+    """A tiny quickstart run on 16 colour rows rendered under `root`, its rollouts one update behind."""
+    generate(root / "data", task="color", n_train=16, n_val=0, seed=0, image_size=56)
+    return load_config(
+        "configs/quickstart.yaml",
+        [
+            f"model.path={model_dir}",
+            f"data.train_files={root / 'data' / 'train.jsonl'}",
+            "data.val_files=[]",
+            f"trainer.output_dir={root / 'run'}",
+            "data.train_batch_size=4",
+            "actor.mini_batch_size=4",
+            "rollout.n=2",
+            "warmup.steps=0",
+            "trainer.progress=false",
+            *OVERLAPPED,
+            *overrides,
+        ],
+    )

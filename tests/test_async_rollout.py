@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from helpers import OVERLAPPED, overlapped_config
 
 from mmrl.cli import main
 from mmrl.config import ConfigError, load_config
@@ -20,7 +21,7 @@ from mmrl.workers.rollout import POLICY_VERSION
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
-ASYNC = ["rollout.max_staleness=1", "actor.rollout_correction=tis"]
+ASYNC = list(OVERLAPPED)
 
 
 def _train(model: Path, data: Path, out: Path, *extra: str) -> list[dict]:
@@ -88,28 +89,16 @@ def test_fsdp_trainer_workers_feed_a_rollout_worker_the_weights_gathered_from_th
     """Two FSDP2 trainer workers and a rollout worker of its own (three Ray actors): after an update the
     whole weights, gathered from the shards with LoRA merged, reach the rollout worker before the next
     generation sent, which it then samples with exactly the trainer's policy."""
-    generate(tmp_path / "data", task="color", n_train=16, n_val=0, seed=0, image_size=56)
-    cfg = load_config(
-        "configs/quickstart.yaml",
-        [
-            f"model.path={tiny_model_dir}",
-            f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
-            "data.val_files=[]",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "data.train_batch_size=4",
-            "actor.mini_batch_size=4",
-            "rollout.n=2",
-            "warmup.steps=0",
-            "actor.lr=3e-2",
-            "model.lora.rank=4",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_steps=1",
-            *ASYNC,
-        ],
+    cfg = overlapped_config(
+        tiny_model_dir,
+        tmp_path,
+        "actor.lr=3e-2",
+        "model.lora.rank=4",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_steps=1",
     )
-    ray.init(
-        address="local", num_cpus=3, include_dashboard=False
-    )  # two trainer workers and the rollout worker
+    # Three logical CPUs on two cores: two trainer workers and the rollout worker, each placed.
+    ray.init(address="local", num_cpus=3, include_dashboard=False)
     try:
         trainer = Trainer(cfg)
         try:

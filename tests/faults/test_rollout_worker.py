@@ -9,10 +9,9 @@ import signal
 
 import pytest
 import ray
+from helpers import overlapped_config
 
-from mmrl.config import load_config
 from mmrl.logger import read_metrics
-from mmrl.synthetic import generate
 from mmrl.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -21,25 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 def test_a_killed_rollout_worker_is_replaced_and_its_batches_generated_again(
     local_ray, tmp_path, tiny_model_dir
 ) -> None:
-    generate(tmp_path / "data", task="color", n_train=16, n_val=0, seed=0, image_size=56)
-    cfg = load_config(
-        "configs/quickstart.yaml",
-        [
-            f"model.path={tiny_model_dir}",
-            f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
-            "data.val_files=[]",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "data.train_batch_size=4",
-            "actor.mini_batch_size=4",
-            "rollout.n=2",
-            "warmup.steps=0",
-            "trainer.total_steps=3",
-            "trainer.save_every=0",
-            "trainer.progress=false",
-            "rollout.max_staleness=1",
-            "actor.rollout_correction=tis",
-        ],
-    )
+    cfg = overlapped_config(tiny_model_dir, tmp_path, "trainer.total_steps=3", "trainer.save_every=0")
     trainer = Trainer(cfg)
     log, killed = trainer.logger.log, []
 
