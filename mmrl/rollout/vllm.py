@@ -4,8 +4,8 @@ Why in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor)
 vLLM the trainer's own tensors one at a time through `reload_weights`, so no second full copy of the
 model is ever built and nothing is pickled. With `tensor_parallel_size` K > 1 on Ray workers, each worker
 is one rank of an engine over K workers (vLLM's external launcher, `_launcher_env`): every rank is handed
-the whole tensors in the same way and its weight loaders keep its slice. Prompts go in as token ids with one placeholder per image
-or video (vLLM expands it). The images are the ones `processors` already sized, with the same pixel
+the whole tensors in the same way and its weight loaders keep its slice. Prompts go in as token ids
+with one placeholder per image or video (vLLM expands it). The images are the ones `processors` already sized, with the same pixel
 budget given to vLLM's processor; videos go in as their already sampled and sized frames, with
 metadata and processor options that make vLLM neither resample nor resize them. So its placeholder
 counts equal the trainer's; the first batches with images and with videos check this instead of
