@@ -154,7 +154,10 @@ TASKS: dict[str, Task] = {
     "count": Task("count", "How many circles?", NUMBERS, _sample_count, _paint_count),
 }
 
+# PNG at zlib level 1: the same pixels, written faster than PIL's default level (a dataset of thousands of
+# small images is generated before many runs and tests).
 _FORMATS = {"png": ("PNG", "png"), "jpeg": ("JPEG", "jpg")}
+SAVE_OPTIONS = {"PNG": {"compress_level": 1}, "JPEG": {}}
 
 
 def _split_rng(seed: int, split: str) -> np.random.Generator:
@@ -200,7 +203,7 @@ def _write_split(
             )
         keys.append(key)
         rel = f"images/{split}_{index:06d}.{ext}"
-        task.draw(rng, size, params).save(out_dir / rel, format=pil_format)
+        task.draw(rng, size, params).save(out_dir / rel, format=pil_format, **SAVE_OPTIONS[pil_format])
         record = {
             "id": f"{split}-{index:06d}",
             "problem": f"<image>{task.question}",

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from mmrl.synthetic import _FORMATS, _MAX_REDRAWS, _check_image_size, _key, _split_rng
+from mmrl.synthetic import _FORMATS, _MAX_REDRAWS, SAVE_OPTIONS, _check_image_size, _key, _split_rng
 
 __all__ = ["DEFAULT_IMAGE_SIZE", "KINDS", "generate_geometry", "sqrt_text", "times_pi"]
 
@@ -292,7 +292,7 @@ def _write_split(
         params = _sample_unseen(rng, kind, taken, split)
         keys.append(_key(params))
         rel = f"images/{split}_{index:06d}.{ext}"
-        render(params, size).save(out_dir / rel, format=pil_format)
+        render(params, size).save(out_dir / rel, format=pil_format, **SAVE_OPTIONS[pil_format])
         record = {
             "id": f"{split}-{index:06d}",
             "problem": _question(params),

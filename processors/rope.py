@@ -88,26 +88,21 @@ def mrope_position_ids(
     )
     ids_cpu = input_ids.cpu()
     mask_cpu = attention_mask.cpu().bool()
+    vision_ids = {image_token_id, video_token_id}
     for b in range(batch):
         rule = row_rules[b]
-        tokens = ids_cpu[b][mask_cpu[b]]
-        is_vision = (tokens == image_token_id) | (tokens == video_token_id)
+        tokens = ids_cpu[b][mask_cpu[b]].tolist()  # plain ints: a loop over tensor elements is 100x slower
         pieces: list[torch.Tensor] = []
-        cursor, start = 0, 0
-        n = tokens.numel()
-        while start < n:
-            end = start
-            vision = bool(is_vision[start])
-            kind = int(tokens[start])
-            while end < n and bool(is_vision[end]) == vision and (not vision or int(tokens[end]) == kind):
-                end += 1
-            if not vision:
-                pieces.append(torch.arange(cursor, cursor + end - start).expand(3, -1))
-                cursor += end - start
-                start = end
+        cursor = 0
+        # Runs of text tokens, and runs of one kind of placeholder token.
+        for kind, run in itertools.groupby(tokens, key=lambda tok: tok if tok in vision_ids else None):
+            size = sum(1 for _ in run)
+            if kind is None:
+                pieces.append(torch.arange(cursor, cursor + size).expand(3, -1))
+                cursor += size
                 continue
             # One run of identical placeholder tokens may hold several images back to back.
-            while start < end:
+            while size > 0:
                 t, h, w = next(grids[kind])
                 gh, gw = h // spatial_merge_size, w // spatial_merge_size
                 tt = torch.arange(t)
@@ -116,7 +111,7 @@ def mrope_position_ids(
                 grid = torch.stack(torch.meshgrid(tt, torch.arange(gh), torch.arange(gw), indexing="ij"))
                 pieces.append(grid.reshape(3, -1) + cursor)
                 cursor += max(gh, gw) if rule.engine == "transformers" else int(grid.max()) + 1
-                start += t * gh * gw
+                size -= t * gh * gw
         if pieces:
             positions[:, b, mask_cpu[b]] = torch.cat(pieces, dim=1)
     return positions.to(input_ids.device)

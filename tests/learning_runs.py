@@ -142,9 +142,7 @@ def train(
     run = RUNS[name]
     if run.task is None:
         return _train_episodes(run, root, model_dir, seed, extra)
-    data = root / "data"
-    if not (data / "train.jsonl").exists():
-        run.task(data)
+    data = _task_data(run.task, root / "data")
     out = root / "run"
     code = main(
         [
@@ -159,6 +157,18 @@ def train(
     )
     assert code == 0, f"mmrl train exited with {code}"
     return read_metrics(out / "metrics.jsonl")
+
+
+# Each task's data, rendered once per process: every task is seeded, and no run writes to its data.
+_RENDERED: dict[Callable[[Path], None], Path] = {}
+
+
+def _task_data(task: Callable[[Path], None], fresh: Path) -> Path:
+    """The folder holding `task`'s data, rendered into `fresh` the first time this process asks for it."""
+    if task not in _RENDERED or not (_RENDERED[task] / "train.jsonl").exists():
+        task(fresh)
+        _RENDERED[task] = fresh
+    return _RENDERED[task]
 
 
 def _shape(run: LearningRun, seed: int | None, extra: tuple[str, ...]) -> list[str]:
