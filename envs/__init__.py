@@ -23,3 +23,4 @@ __all__ = [
 
 register_env("reach", "envs.reach:ReachEnv")
 register_env("push", "envs.push:PushEnv")
+register_env("metaworld/", "envs.metaworld:MetaWorldEnv")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import Env
+from envs.metaworld import MetaWorldEnv, metaworld_expert
 from envs.push import PushEnv
 from envs.reach import ELBOW_LIMIT, LINK, TOUCH, ReachEnv, forward_kinematics
 from envs.registry import make_env
@@ -173,9 +174,12 @@ class ScriptedExpert:
     default_noise: float
 
 
+METAWORLD_NOISE = 1.0
+
 EXPERTS: dict[type[Env], ScriptedExpert] = {
     ReachEnv: ScriptedExpert(reach_expert, default_noise=3.0),
     PushEnv: ScriptedExpert(push_expert, default_noise=1.0),
+    MetaWorldEnv: ScriptedExpert(metaworld_expert, default_noise=METAWORLD_NOISE),
 }
 
 

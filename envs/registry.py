@@ -3,6 +3,10 @@
 An entry is either a factory (a class or function) or a ``"module:attr"`` path imported on first use:
 the path form keeps ``import envs`` cheap and lets a LIBERO or ManiSkill adapter be registered
 without importing its simulator until someone asks for it.
+
+A name ending in ``/`` registers a family of tasks: ``register_env("metaworld/", ...)`` makes
+``make_env("metaworld/reach-v3")`` call the factory with ``task="reach-v3"``, and the factory says
+which task names it knows.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def register_env(name: str, target: Factory | str | None = None) -> Callable[[F]
     where ``target`` is the factory itself or a ``"package.module:Attribute"`` path.
 
     Re-registering a name with a different target is an error, because two tasks silently sharing a
-    name would make runs irreproducible.
+    name would make runs irreproducible. A name ending in ``/`` is a family (module docstring).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"env name must be a non-empty string, got {name!r}")
@@ -50,16 +54,18 @@ def register_env(name: str, target: Factory | str | None = None) -> Callable[[F]
 
 
 def registered_envs() -> tuple[str, ...]:
-    """The registered names, sorted."""
-    return tuple(sorted(_REGISTRY))
+    """The registered names, sorted; a family shows as ``family/<task>``."""
+    return tuple(sorted(name + "<task>" if name.endswith("/") else name for name in _REGISTRY))
 
 
 def make_env(name: str, **kwargs: Any) -> Env:
     """Build the task registered as ``name``; options it does not accept fail here, listing those it does."""
-    if name not in _REGISTRY:
-        known = ", ".join(registered_envs()) or "none"
-        raise KeyError(f"unknown env {name!r}; registered envs: {known} (add one with envs.register_env)")
-    factory = _resolve(name)
+    entry, task = _lookup(name)
+    if task is not None:
+        if "task" in kwargs:
+            raise TypeError(f"env {name!r} names its task; pass no task= option")
+        kwargs = {"task": task, **kwargs}
+    factory = _resolve(entry)
     signature = inspect.signature(factory)
     try:
         signature.bind(**kwargs)
@@ -67,6 +73,18 @@ def make_env(name: str, **kwargs: Any) -> Env:
         accepted = ", ".join(signature.parameters) or "no options"
         raise TypeError(f"env {name!r}: {err}; it accepts: {accepted}") from None
     return factory(**kwargs)
+
+
+def _lookup(name: str) -> tuple[str, str | None]:
+    """The registry entry for ``name``, and the task within it when the entry is a family."""
+    if name in _REGISTRY and not name.endswith("/"):
+        return name, None
+    families = [key for key in _REGISTRY if key.endswith("/") and name.startswith(key) and name != key]
+    if families:
+        family = max(families, key=len)
+        return family, name[len(family) :]
+    known = ", ".join(registered_envs()) or "none"
+    raise KeyError(f"unknown env {name!r}; registered envs: {known} (add one with envs.register_env)")
 
 
 def _add(name: str, entry: Factory | str) -> None:

@@ -13,11 +13,12 @@ from envs.workers import EnvPool, EnvWorkerError
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 SEEDS = [3, 4, 5, 6]
+ACTION_DIMS = {"reach": 2, "metaworld/reach-v3": 4}
 
 
-def _actions(step: int) -> list[np.ndarray]:
+def _actions(step: int, dim: int) -> list[np.ndarray]:
     rng = np.random.default_rng(step)
-    return [rng.uniform(-1, 1, 2).astype(np.float32) for _ in SEEDS]
+    return [rng.uniform(-1, 1, dim).astype(np.float32) for _ in SEEDS]
 
 
 def _episode(pool: EnvPool, steps: int, fault_at: int | None = None, fault=None) -> list:
@@ -26,7 +27,7 @@ def _episode(pool: EnvPool, steps: int, fault_at: int | None = None, fault=None)
     for step in range(steps):
         if step == fault_at:
             fault(pool)
-        frames += [result[0]["image"] for result in pool.step(_actions(step))]
+        frames += [result[0]["image"] for result in pool.step(_actions(step, ACTION_DIMS[pool.task]))]
     return frames
 
 
@@ -38,13 +39,17 @@ def _freeze(pool: EnvPool) -> None:
     os.kill(pool.pids()[0], signal.SIGSTOP)  # alive but never answers: a hang
 
 
-@pytest.mark.parametrize("fault", [_kill, _freeze], ids=["killed", "hung"])
-def test_a_dead_or_hung_env_worker_is_replaced_and_the_step_completes_exactly(local_ray, fault) -> None:
-    clean = EnvPool("reach", num_envs=4, num_workers=2, timeout_s=20)
+@pytest.mark.parametrize(
+    ("task", "fault"),
+    [("reach", _kill), ("reach", _freeze), ("metaworld/reach-v3", _kill)],
+    ids=["killed", "hung", "metaworld-killed"],
+)
+def test_a_dead_or_hung_env_worker_is_replaced_and_the_step_completes_exactly(local_ray, task, fault) -> None:
+    clean = EnvPool(task, num_envs=4, num_workers=2, timeout_s=20)
     expected = _episode(clean, steps=4)
     clean.close()
 
-    pool = EnvPool("reach", num_envs=4, num_workers=2, timeout_s=5)
+    pool = EnvPool(task, num_envs=4, num_workers=2, timeout_s=5)
     got = _episode(pool, steps=4, fault_at=2, fault=fault)
     assert pool.restarts == 1
     pool.close()

@@ -1,0 +1,222 @@
+"""Meta-World's 50 Sawyer tasks (metaworld 3.x, v3 environments) through the `Env` interface.
+
+`make_env("metaworld/reach-v3", image_size=64)` builds one task. What the adapter adds to Meta-World:
+
+- **Seeds.** Meta-World draws object and goal positions from a global NumPy stream or from 50 fixed
+  tasks per environment. Here the positions come from the seed alone (uniform over the task's own
+  reset space), so `reset(seed)` is the same episode in any process, on any worker, after any history.
+- **Frames.** Rendered offscreen with `mujoco.Renderer` at the policy's size, from any of the scene's
+  cameras, turned so the world's up is up (Meta-World's corner cameras are mounted upside down). Shadows,
+  reflections and multisampling are off: several times faster on a CPU, same geometry and colours.
+- **Instructions.** Meta-World has none; each task gets one sentence (`INSTRUCTIONS`), the kind of
+  instruction VLA papers pair with it.
+- **Episodes.** Success terminates with reward 1, as in the built-in tasks; `shaping` adds Meta-World's
+  own dense reward (scaled to [0, 1]) per step. `max_steps` cuts the 500-step horizon to what the task
+  needs (the scripted reach expert succeeds within 70 steps on seeds 0-9).
+
+The action is Meta-World's: end-effector xyz displacement and gripper effort, each in [-1, 1].
+The state is the hand's xyz position and the gripper's opening (the first 4 numbers of Meta-World's
+39-d observation); objects and goals are for the policy to see, not to read.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from typing import Any
+
+import numpy as np
+
+from envs.base import Env, Info, Obs, StepResult
+from envs.gl import load_mujoco, make_renderer
+
+__all__ = ["INSTRUCTIONS", "MetaWorldEnv", "metaworld_expert"]
+
+mujoco = load_mujoco()  # picks the GL backend before Meta-World imports mujoco
+
+INSTRUCTIONS: dict[str, str] = {
+    "assembly-v3": "put the ring on the peg",
+    "basketball-v3": "dunk the ball into the basket",
+    "bin-picking-v3": "move the cube from one bin to the other",
+    "box-close-v3": "put the lid on the box",
+    "button-press-topdown-v3": "press the button from the top",
+    "button-press-topdown-wall-v3": "press the button from the top, past the wall",
+    "button-press-v3": "press the button",
+    "button-press-wall-v3": "press the button behind the wall",
+    "coffee-button-v3": "push the button on the coffee machine",
+    "coffee-pull-v3": "pull the mug out of the coffee machine",
+    "coffee-push-v3": "push the mug under the coffee machine",
+    "dial-turn-v3": "turn the dial",
+    "disassemble-v3": "pull the ring off the peg",
+    "door-close-v3": "close the door",
+    "door-lock-v3": "lock the door by turning the lock",
+    "door-open-v3": "open the door",
+    "door-unlock-v3": "unlock the door by turning the lock",
+    "hand-insert-v3": "put the hand into the hole",
+    "drawer-close-v3": "close the drawer",
+    "drawer-open-v3": "open the drawer",
+    "faucet-open-v3": "turn the faucet on",
+    "faucet-close-v3": "turn the faucet off",
+    "hammer-v3": "hammer the nail into the wall",
+    "handle-press-side-v3": "press the handle down from the side",
+    "handle-press-v3": "press the handle down",
+    "handle-pull-side-v3": "pull the handle up from the side",
+    "handle-pull-v3": "pull the handle up",
+    "lever-pull-v3": "pull the lever up",
+    "pick-place-wall-v3": "pick up the puck and place it at the goal behind the wall",
+    "pick-out-of-hole-v3": "pick the peg out of the hole",
+    "pick-place-v3": "pick up the puck and place it at the goal",
+    "plate-slide-v3": "slide the plate into the goal",
+    "plate-slide-side-v3": "slide the plate sideways into the goal",
+    "plate-slide-back-v3": "slide the plate back out of the goal",
+    "plate-slide-back-side-v3": "slide the plate sideways out of the goal",
+    "peg-insert-side-v3": "insert the peg into the hole from the side",
+    "peg-unplug-side-v3": "unplug the peg from the side",
+    "soccer-v3": "kick the ball into the goal",
+    "stick-push-v3": "push the bottle with the stick",
+    "stick-pull-v3": "pull the bottle with the stick",
+    "push-v3": "push the puck to the goal",
+    "push-wall-v3": "push the puck around the wall to the goal",
+    "push-back-v3": "push the puck back to the goal",
+    "reach-v3": "reach the red goal",
+    "reach-wall-v3": "reach the red goal over the wall",
+    "shelf-place-v3": "place the puck on the shelf",
+    "sweep-into-v3": "sweep the puck into the hole",
+    "sweep-v3": "sweep the puck off the table",
+    "window-open-v3": "slide the window open",
+    "window-close-v3": "slide the window closed",
+}
+
+_HORIZON = 500  # Meta-World's own episode length; its envs refuse to step past it
+
+
+def _metaworld() -> Any:
+    try:
+        import metaworld
+        import metaworld.env_dict
+        import metaworld.policies
+    except ImportError as err:
+        raise ImportError(
+            f"the Meta-World tasks need the metaworld package ({err}); install mmrl's lockfile, "
+            "or `pip install metaworld==3.1.1`"
+        ) from err
+    return metaworld
+
+
+class MetaWorldEnv(Env):
+    """One Meta-World v3 task; `reset(seed)` draws its object and goal positions from the seed."""
+
+    action_dim = 4
+
+    def __init__(
+        self,
+        task: str = "reach-v3",
+        *,
+        image_size: int = 64,
+        camera: str = "corner",
+        max_steps: int = 150,
+        shaping: float = 0.0,
+    ) -> None:
+        if task not in INSTRUCTIONS:
+            raise ValueError(f"unknown Meta-World task {task!r}; the tasks are: {', '.join(INSTRUCTIONS)}")
+        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
+            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not 0 < max_steps <= _HORIZON:
+            raise ValueError(f"max_steps must be an integer in [1, {_HORIZON}], got {max_steps!r}")
+        metaworld = _metaworld()
+        self._cls = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]
+        self._task_kwargs = {
+            k: v for k, v in metaworld.env_dict.MT50_V3_ARGS_KWARGS[task]["kwargs"].items() if k != "task_id"
+        }
+        self._task_type = metaworld.Task
+        self.sim = self._cls()
+        model = self.sim.model
+        cameras = [model.camera(i).name for i in range(model.ncam)]
+        if camera not in cameras:
+            raise ValueError(f"camera {camera!r} is not in Meta-World's scene; its cameras are: {cameras}")
+        self.task, self.camera, self.image_size = task, camera, image_size
+        self.instruction = INSTRUCTIONS[task]
+        self.max_steps, self.shaping = max_steps, float(shaping)
+        model.vis.quality.offsamples = 0
+        offscreen = model.vis.global_
+        offscreen.offwidth = max(offscreen.offwidth, image_size)
+        offscreen.offheight = max(offscreen.offheight, image_size)
+        self._renderer = make_renderer(model, image_size, image_size)
+        for flag in (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION):
+            self._renderer.scene.flags[flag] = False
+        self._upside_down: bool | None = None  # known after the first reset places the cameras
+        self._rng = np.random.default_rng()
+        self._steps = 0
+        self._done = True
+
+    def reset(self, seed: int | None = None) -> tuple[Obs, Info]:
+        """A new episode with positions drawn from ``seed`` (or the env's own stream when None)."""
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        space = self.sim._random_reset_space
+        positions = self._rng.uniform(space.low, space.high)
+        data = {
+            **self._task_kwargs,
+            "env_cls": self._cls,
+            "rand_vec": positions,
+            "partially_observable": False,
+        }
+        self.sim.set_task(self._task_type(env_name=self.task, data=pickle.dumps(data)))
+        self._raw, _ = self.sim.reset()
+        self._steps = 0
+        self._done = False
+        return self._observe(), {"success": False}
+
+    def step(self, action: np.ndarray) -> StepResult:
+        """Move the hand by ``action[:3]`` (clipped to [-1, 1]) and grip with ``action[3]``."""
+        if self._done:
+            raise RuntimeError("the episode has ended (or never started): call reset() before step()")
+        a = np.asarray(action, dtype=np.float64)
+        if a.shape != (self.action_dim,):
+            raise ValueError(f"action must have shape ({self.action_dim},), got {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"action must be finite, got {a}")
+        self._raw, dense, _, _, sim_info = self.sim.step(np.clip(a, -1.0, 1.0).astype(np.float32))
+        self._steps += 1
+        success = bool(sim_info["success"])
+        reward = float(success) + self.shaping * float(dense) / 10.0  # Meta-World's rewards lie in [0, 10]
+        truncated = not success and self._steps >= self.max_steps
+        self._done = success or truncated
+        info: Info = {"success": success, "distance": float(sim_info["obj_to_target"])}
+        return self._observe(), reward, success, truncated, info
+
+    def render(self) -> np.ndarray:
+        """The current frame from ``camera``, world-up at the top: image_size x image_size x 3 uint8."""
+        self._renderer.update_scene(self.sim.data, camera=self.camera)
+        frame = self._renderer.render()
+        if self._upside_down is None:
+            # The camera frame's y axis is the image's up; Meta-World's corner cameras point it downwards.
+            up = self.sim.data.camera(self.camera).xmat.reshape(3, 3)[:, 1]
+            self._upside_down = bool(up[2] < 0)
+        return np.ascontiguousarray(frame[::-1, ::-1]) if self._upside_down else frame
+
+    @property
+    def raw_observation(self) -> np.ndarray:
+        """Meta-World's 39-d observation (hand, gripper, object poses, goal): what its scripted policies read."""
+        return self._raw
+
+    @functools.cached_property
+    def scripted_policy(self) -> Any:
+        """Meta-World's hand-written policy for this task (`get_action(raw_observation)`)."""
+        return _metaworld().policies.ENV_POLICY_MAP[self.task]()
+
+    def close(self) -> None:
+        self._renderer.close()
+        self.sim.close()
+
+    def _observe(self) -> Obs:
+        return {
+            "image": self.render(),
+            "instruction": self.instruction,
+            "state": self._raw[:4].astype(np.float32),
+        }
+
+
+def metaworld_expert(env: MetaWorldEnv) -> np.ndarray:
+    """Meta-World's own scripted policy for the env's task, reading the true state."""
+    return np.asarray(env.scripted_policy.get_action(env.raw_observation), dtype=np.float64)
