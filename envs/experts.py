@@ -209,6 +209,7 @@ class Demo:
     frames: np.ndarray  # (T, H, W, 3) uint8
     actions: np.ndarray  # (T, action_dim) float32, in [-1, 1]
     success: bool
+    states: np.ndarray  # (T, state_dim) float32: the proprioceptive state beside each frame
 
 
 def collect_demos(
@@ -234,11 +235,12 @@ def collect_demos(
 def _rollout(env: Env, seed: int, noise: float | None) -> Demo:
     rng = np.random.default_rng([seed, 1])  # the noise stream, independent of the scene's
     obs, info = env.reset(seed=seed)
-    frames, actions = [], []
+    frames, actions, states = [], [], []
     done = False
     while not done:
         action = expert_action(env, rng, noise)
         frames.append(obs["image"])
+        states.append(obs["state"])
         actions.append(action)
         obs, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
@@ -248,4 +250,5 @@ def _rollout(env: Env, seed: int, noise: float | None) -> Demo:
         frames=np.stack(frames),
         actions=np.asarray(actions, dtype=np.float32),
         success=bool(info["success"]),
+        states=np.asarray(states, dtype=np.float32),
     )

@@ -375,7 +375,12 @@ class EnvConfig(_Section):
         {}, description="make_env keyword arguments, e.g. image_size, camera, max_steps, shaping"
     )
     prompt: str = Field(
-        "<image>{instruction}", description="The prompt per decision: one <image> marker and {instruction}"
+        "<image>{instruction}",
+        description="The prompt per decision: one <image> marker (the frames), {instruction}, optionally "
+        "{state} (the proprioceptive state, two decimals a number)",
+    )
+    history: int = Field(
+        1, gt=0, description="Frames per decision: the current one and the history-1 env steps before it"
     )
     n_bins: int = Field(256, gt=1, description="Action bins per dimension when no SFT tokenizer is found")
     chunk: int = Field(1, gt=0, description="Env steps per decision when no SFT tokenizer is found")

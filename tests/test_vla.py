@@ -25,7 +25,7 @@ from mmrl.rollout.hf import HFEngine
 from mmrl.trainer import Trainer
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
-from mmrl.vla.observations import ObservationPrompts
+from mmrl.vla.observations import ObservationPrompts, frame_history
 from mmrl.vla.sft import demo_steps
 from mmrl.vla.source import episode_advantages, train_seeds
 from processors import PixelBudget
@@ -52,6 +52,27 @@ def test_observation_prompts_carry_one_frame_each_with_matching_placeholders(pol
     assert not torch.equal(samples[0].pixel_values, samples[1].pixel_values)
     with pytest.raises(ValueError, match="one <image> marker"):
         ObservationPrompts(processor, BUDGET, "{instruction}")
+
+
+def test_history_prompts_hold_the_last_frames_oldest_first_and_the_state_as_text(policy) -> None:
+    _, processor = policy
+    prompts = ObservationPrompts(processor, BUDGET, "<image>{instruction} state: {state}", history=3)
+    episode = [np.full((56, 56, 3), c, dtype=np.uint8) for c in (10, 120, 250)]
+    # Decision 1 of an episode: frame 0 stands in for the step before the episode began.
+    history = frame_history(episode, 1, 3)
+    assert [int(f[0, 0, 0]) for f in history] == [10, 10, 120]
+    obs = {"image": episode[1], "instruction": "reach the red goal", "state": np.array([0.125, -1.0, 2])}
+    (sample,) = prompts([obs], frames=[history])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert sample.prompt_ids.count(pad) == 3 * 4 and sample.image_grid_thw.tolist() == [[1, 4, 4]] * 3
+    assert sample.prompt_text == "<image><image><image>reach the red goal state: 0.12 -1.00 2.00"
+    assert "0.12 -1.00 2.00" in processor.tokenizer.decode(sample.prompt_ids)
+    # Each frame's patches, in order: the first two are the same frame, the third differs.
+    first, second, third = sample.pixel_values.split(16)
+    assert torch.equal(first, second) and not torch.equal(second, third)
+    assert len(sample.images) == 3 and len(sample.image_sizes) == 3
+    with pytest.raises(ValueError, match="last 3 frames"):
+        prompts([obs])
 
 
 def test_episodes_run_in_lockstep_and_each_decision_earns_its_episode_return(policy) -> None:
@@ -119,7 +140,10 @@ def test_trajectory_grpo_normalises_over_episodes_not_decisions() -> None:
 def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:
     frames = np.zeros((3, 8, 8, 3), np.uint8)
     actions = np.array([[-0.9, 0.9], [0.0, 0.5], [0.6, -0.3]], dtype=np.float32)  # 3 steps: odd
-    demo = Demo(seed=0, instruction="touch the red ball", frames=frames, actions=actions, success=True)
+    states = np.zeros((3, 4), np.float32)
+    demo = Demo(
+        seed=0, instruction="touch the red ball", frames=frames, actions=actions, success=True, states=states
+    )
     tokenizer = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2)
     steps = demo_steps([demo], tokenizer)
     assert [(t, ids) for _, t, ids in steps] == [

@@ -9,6 +9,7 @@ responses to one prompt do in GRPO on text.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -68,11 +69,14 @@ def run_episodes(
     live = np.ones(n, dtype=bool)
     invalid: dict[str, int] = {}
     frames: list[list[np.ndarray]] = [[obs[i]["image"]] for i in range(min(record, n))]
+    recent = [deque([o["image"]] * prompts.history, maxlen=prompts.history) for o in obs]
     params = replace(params, n=1, max_new_tokens=tokenizer.n_tokens)
     parts = []
     while live.any():
         idx = np.flatnonzero(live).tolist()
-        out = engine.generate(prompts([obs[i] for i in idx], row_ids=idx), params)
+        out = engine.generate(
+            prompts([obs[i] for i in idx], row_ids=idx, frames=[list(recent[i]) for i in idx]), params
+        )
         out.set(episode_index=torch.tensor(idx), truncated=torch.zeros(len(idx), dtype=torch.bool))
         parts.append(out)
         chunks: list[np.ndarray | None] = [None] * n
@@ -93,6 +97,7 @@ def run_episodes(
                     continue
                 obs[i], reward, terminated, truncated, info = result
                 returns[i] += reward
+                recent[i].append(obs[i]["image"])
                 if i < len(frames):
                     frames[i].append(obs[i]["image"])
                 if terminated or truncated:

@@ -46,7 +46,7 @@ def evaluate_episodes(
         result = run_episodes(
             engine,
             envs,
-            ObservationPrompts(processor, image_budget(cfg.data, model.config), env.prompt),
+            ObservationPrompts(processor, image_budget(cfg.data, model.config), env.prompt, env.history),
             tokenizer,
             list(range(env.val_seed, env.val_seed + count)),
             SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k),

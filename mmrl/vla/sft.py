@@ -22,7 +22,7 @@ from mmrl.config import Config
 from mmrl.data import image_budget
 from mmrl.models import load_policy, load_processor, save_model
 from mmrl.supervised import supervised_step
-from mmrl.vla.observations import ObservationPrompts
+from mmrl.vla.observations import ObservationPrompts, frame_history
 
 if TYPE_CHECKING:  # the experts import MuJoCo, which only `mmrl sft` needs
     from envs.experts import Demo
@@ -70,7 +70,13 @@ def behaviour_clone(
     losses = []
     for _ in range(updates):
         picked = [steps[i] for i in rng.choice(len(steps), size=min(batch_size, len(steps)), replace=False)]
-        samples = prompts([{"image": d.frames[t], "instruction": d.instruction} for d, t, _ in picked])
+        samples = prompts(
+            [
+                {"image": d.frames[t], "instruction": d.instruction, "state": d.states[t]}
+                for d, t, _ in picked
+            ],
+            frames=[frame_history(d.frames, t, prompts.history) for d, t, _ in picked],
+        )
         losses.append(
             supervised_step(
                 model, optimizer, samples, list(range(len(picked))), [ids for *_, ids in picked], pad_id
@@ -119,7 +125,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         model = load_policy(sft.base_model, torch.float32, "cpu")
         losses = behaviour_clone(
             model,
-            ObservationPrompts(processor, image_budget(cfg.data, model_config), env.prompt),
+            ObservationPrompts(processor, image_budget(cfg.data, model_config), env.prompt, env.history),
             demo_steps(used, tokenizer),
             updates=sft.steps,
             lr=sft.lr,

@@ -77,7 +77,9 @@ class EpisodeSource:
         self.action_tokenizer = episode_tokenizer(
             cfg, cfg.model.path, model_config.get_text_config().vocab_size, self.envs.action_dim
         )
-        self.prompts = ObservationPrompts(processor, image_budget(cfg.data, model_config), cfg.env.prompt)
+        self.prompts = ObservationPrompts(
+            processor, image_budget(cfg.data, model_config), cfg.env.prompt, cfg.env.history
+        )
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.validates = cfg.env.val_episodes > 0
 
