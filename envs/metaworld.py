@@ -8,6 +8,8 @@
 - **Frames.** Rendered offscreen with `mujoco.Renderer` at the policy's size, from any of the scene's
   cameras, turned so the world's up is up (Meta-World's corner cameras are mounted upside down). Shadows,
   reflections and multisampling are off: several times faster on a CPU, same geometry and colours.
+  Several cameras (`camera=["corner", "gripperPOV"]`) are rendered side by side into one frame, so a
+  third-person and a wrist view reach the policy as one image, through history, demos and GIFs alike.
 - **Instructions.** Meta-World has none; each task gets one sentence (`INSTRUCTIONS`), the kind of
   instruction VLA papers pair with it.
 - **Episodes.** Success terminates with reward 1, as in the built-in tasks; `shaping` adds Meta-World's
@@ -113,7 +115,7 @@ class MetaWorldEnv(Env):
         task: str = "reach-v3",
         *,
         image_size: int = 64,
-        camera: str = "corner",
+        camera: str | list[str] = "corner",
         max_steps: int = 150,
         shaping: float = 0.0,
     ) -> None:
@@ -131,10 +133,12 @@ class MetaWorldEnv(Env):
         self._task_type = metaworld.Task
         self.sim = self._cls()
         model = self.sim.model
-        cameras = [model.camera(i).name for i in range(model.ncam)]
-        if camera not in cameras:
-            raise ValueError(f"camera {camera!r} is not in Meta-World's scene; its cameras are: {cameras}")
-        self.task, self.camera, self.image_size = task, camera, image_size
+        known = [model.camera(i).name for i in range(model.ncam)]
+        self.cameras = [camera] if isinstance(camera, str) else list(camera)
+        for name in self.cameras or [""]:
+            if name not in known:
+                raise ValueError(f"camera {name!r} is not in Meta-World's scene; its cameras are: {known}")
+        self.task, self.image_size = task, image_size
         self.instruction = INSTRUCTIONS[task]
         self.max_steps, self.shaping = max_steps, float(shaping)
         model.vis.quality.offsamples = 0
@@ -144,7 +148,7 @@ class MetaWorldEnv(Env):
         self._renderer = make_renderer(model, image_size, image_size)
         for flag in (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION):
             self._renderer.scene.flags[flag] = False
-        self._upside_down: bool | None = None  # known after the first reset places the cameras
+        self._upside_down: dict[str, bool] = {}  # per camera, known once a reset has placed them
         self._rng = np.random.default_rng()
         self._steps = 0
         self._done = True
@@ -186,14 +190,17 @@ class MetaWorldEnv(Env):
         return self._observe(), reward, success, truncated, info
 
     def render(self) -> np.ndarray:
-        """The current frame from ``camera``, world-up at the top: image_size x image_size x 3 uint8."""
-        self._renderer.update_scene(self.sim.data, camera=self.camera)
+        """The current frame, world-up at the top: image_size x (image_size x cameras) x 3 uint8."""
+        return np.concatenate([self._view(name) for name in self.cameras], axis=1)
+
+    def _view(self, camera: str) -> np.ndarray:
+        self._renderer.update_scene(self.sim.data, camera=camera)
         frame = self._renderer.render()
-        if self._upside_down is None:
+        if camera not in self._upside_down:
             # The camera frame's y axis is the image's up; Meta-World's corner cameras point it downwards.
-            up = self.sim.data.camera(self.camera).xmat.reshape(3, 3)[:, 1]
-            self._upside_down = bool(up[2] < 0)
-        return np.ascontiguousarray(frame[::-1, ::-1]) if self._upside_down else frame
+            up = self.sim.data.camera(camera).xmat.reshape(3, 3)[:, 1]
+            self._upside_down[camera] = bool(up[2] < 0)
+        return np.ascontiguousarray(frame[::-1, ::-1]) if self._upside_down[camera] else frame
 
     @property
     def raw_observation(self) -> np.ndarray:

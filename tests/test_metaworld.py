@@ -47,17 +47,18 @@ def test_frames_render_at_the_asked_size_and_change_as_the_arm_moves(reach) -> N
     assert moved["state"][0] > obs["state"][0] + 0.02  # the hand went +x
 
 
-def test_corner_cameras_are_turned_world_up_and_the_top_view_is_not() -> None:
+def test_corner_cameras_are_turned_world_up_and_several_cameras_sit_side_by_side() -> None:
     # Meta-World mounts its corner cameras upside down: turned, the brown table top is in the lower half.
-    for camera, turned in (("corner", True), ("topview", False)):
-        with MetaWorldEnv("reach-v3", image_size=48, camera=camera) as env:
-            env.reset(seed=0)
-            assert env._upside_down is turned
+    with MetaWorldEnv("reach-v3", image_size=48, camera=["corner", "topview"]) as env:
+        both = env.reset(seed=0)[0]["image"]
+        assert env._upside_down == {"corner": True, "topview": False}
     with MetaWorldEnv("reach-v3", image_size=48, camera="corner") as env:
         frame = env.reset(seed=0)[0]["image"].astype(int)
     red, green, blue = frame[..., 0], frame[..., 1], frame[..., 2]
     table = (red - blue > 40) & (green - blue > 15) & (red < 200)
     assert table[24:].sum() > 10 * table[:24].sum(), (table[:24].sum(), table[24:].sum())
+    # Several cameras: side by side, each as it renders alone.
+    assert both.shape == (48, 96, 3) and np.array_equal(both[:, :48], frame.astype(np.uint8))
 
 
 def test_the_scripted_expert_succeeds_and_success_ends_the_episode_with_reward_one(reach) -> None:
@@ -83,7 +84,9 @@ def test_bad_names_and_options_say_what_exists() -> None:
     with pytest.raises(ValueError, match=r"unknown Meta-World task 'reach-v9'.*reach-v3"):
         make_env("metaworld/reach-v9")
     with pytest.raises(ValueError, match=r"camera 'front'.*corner"):
-        make_env("metaworld/reach-v3", camera="front")
+        make_env("metaworld/reach-v3", camera=["corner", "front"])
+    with pytest.raises(ValueError, match="camera ''"):
+        make_env("metaworld/reach-v3", camera=[])
     with pytest.raises(ValueError, match="max_steps"):
         make_env("metaworld/reach-v3", max_steps=501)
     with pytest.raises(TypeError, match="names its task"):
