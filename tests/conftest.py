@@ -74,6 +74,7 @@ LONGEST_FIRST = (
     "test_learning_recipes.py",  # 5 runs, 140-230 s each
     "test_custom_reward_learning.py",  # 150 s
     "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl",  # 140 s
+    "test_learning.py::test_quickstart_recipe_learns",  # 140 s
     "faults/test_crash_resume.py",  # 90 s, one test over the three legs
     "faults/test_resources.py",  # 90 s
     "test_resume.py",  # one group

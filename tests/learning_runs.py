@@ -72,10 +72,11 @@ class LearningRun:
 # nothing stays there exactly, so any positive threshold fails a broken learner (`actor.lr=0` gives a gain
 # of exactly 0). Learning goes colour by colour: +0.16 is the first colour learned beyond the warm-up's.
 RUNS: dict[str, LearningRun] = {
-    # The quickstart as the README runs it (bench/learning_spread.py; the suite runs it on two workers,
-    # and from a tiny Qwen3-VL): gains 0.47, 0.47, 0.44
+    # The quickstart as the README runs it (tests/test_learning.py; also from a tiny Qwen3-VL below):
+    # gains 0.47, 0.47, 0.44
     "grpo": LearningRun("configs/quickstart.yaml", colour_task, steps=100, min_gain=0.3),
-    # the same recipe on two FSDP2 workers (each samples its own half): gain 0.47 at seed 1
+    # the same recipe on two FSDP2 workers (each samples its own half): gain 0.47 at seed 1. Measured with
+    # bench/learning_spread.py only: the suite checks the two-worker update against one process's exactly.
     "grpo_2workers": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
