@@ -64,5 +64,5 @@ def test_a_worker_that_keeps_failing_stops_with_a_clear_error(local_ray) -> None
     with pytest.raises(
         EnvWorkerError, match=r"env worker 0 \(reach, envs \[0, 1\]\) failed during step, 1 attempt"
     ):
-        pool.step(_actions(0)[:2])
+        pool.step(_actions(0, 2)[:2])
     pool.close()
