@@ -46,6 +46,18 @@ class Env(ABC):
     def step(self, action: np.ndarray) -> StepResult:
         """Apply one action; ``info["success"]`` says whether the task is done right."""
 
+    def _checked_action(self, action: np.ndarray, done: bool) -> np.ndarray:
+        """``action`` as float64 clipped to [-1, 1], or the error a caller needs: stepping an ended
+        episode, a wrong shape, a non-finite value. Tasks call it first thing in ``step``."""
+        if done:
+            raise RuntimeError("the episode has ended (or never started): call reset() before step()")
+        a = np.asarray(action, dtype=np.float64)
+        if a.shape != (self.action_dim,):
+            raise ValueError(f"action must have shape ({self.action_dim},), got {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"action must be finite, got {a}")
+        return np.clip(a, -1.0, 1.0)
+
     def close(self) -> None:
         """Release renderers, processes or sockets; a no-op unless the simulator holds any."""
         return None

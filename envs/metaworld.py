@@ -173,14 +173,8 @@ class MetaWorldEnv(Env):
 
     def step(self, action: np.ndarray) -> StepResult:
         """Move the hand by ``action[:3]`` (clipped to [-1, 1]) and grip with ``action[3]``."""
-        if self._done:
-            raise RuntimeError("the episode has ended (or never started): call reset() before step()")
-        a = np.asarray(action, dtype=np.float64)
-        if a.shape != (self.action_dim,):
-            raise ValueError(f"action must have shape ({self.action_dim},), got {a.shape}")
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"action must be finite, got {a}")
-        self._raw, dense, _, _, sim_info = self.sim.step(np.clip(a, -1.0, 1.0).astype(np.float32))
+        a = self._checked_action(action, self._done)
+        self._raw, dense, _, _, sim_info = self.sim.step(a.astype(np.float32))
         self._steps += 1
         success = bool(sim_info["success"])
         reward = float(success) + self.shaping * float(dense) / 10.0  # Meta-World's rewards lie in [0, 10]

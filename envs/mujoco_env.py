@@ -117,14 +117,7 @@ class MujocoEnv(Env):
 
     def step(self, action: np.ndarray) -> StepResult:
         """Apply ``action`` (clipped to [-1, 1]) for ``substeps`` physics steps and score the result."""
-        if self._done:
-            raise RuntimeError("the episode has ended (or never started): call reset() before step()")
-        a = np.asarray(action, dtype=np.float64)
-        if a.shape != (self.action_dim,):
-            raise ValueError(f"action must have shape ({self.action_dim},), got {a.shape}")
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"action must be finite, got {a}")
-        a = np.clip(a, -1.0, 1.0)
+        a = self._checked_action(action, self._done)
         self.data.ctrl[:] = self._ctrl_low + (a + 1.0) * 0.5 * (self._ctrl_high - self._ctrl_low)
         mujoco.mj_step(self.model, self.data, nstep=self.substeps)
         self._steps += 1
