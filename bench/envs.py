@@ -35,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="worker-process counts to try")
     p.add_argument("--steps", type=int, default=3000, help="timed steps per worker")
     p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--pool-envs", type=int, default=8, help="envs stepped together through EnvPool")
+    p.add_argument(
+        "--pool-envs", type=int, default=8, help="envs stepped together through EnvPool (0: skip the pool)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     return p.parse_args(argv)
 
@@ -100,10 +102,11 @@ def measure_pool(task: str, workers: int, num_envs: int, steps: int, image_size:
     startup = time.perf_counter() - start
     rng = np.random.default_rng(0)
     calls = max(1, steps // num_envs)
+    action_dim = pool.action_dim
     pool.reset(list(range(num_envs)))
     start = time.perf_counter()
     for _ in range(calls):
-        results = pool.step([rng.uniform(-1, 1, 2) for _ in range(num_envs)])
+        results = pool.step([rng.uniform(-1, 1, action_dim) for _ in range(num_envs)])
         if any(r[2] or r[3] for r in results):  # an episode ended: start a new batch of episodes
             pool.reset(list(rng.integers(0, 2**31, num_envs)))
     elapsed = time.perf_counter() - start
@@ -124,16 +127,17 @@ def print_table(result: dict[str, Any]) -> None:
     c = result["config"]
     size = f"{c['image_size']}x{c['image_size']}"
     print(f"env benchmark: {size} frames, random actions, {c['steps']} steps/worker")
-    print(f"  {'task':<6}  {'workers':>7}  {'steps/s':>8}  {'per worker':>10}  {'startup':>8}")
+    print(f"  {'task':<18}  {'workers':>7}  {'steps/s':>8}  {'per worker':>10}  {'startup':>8}")
     for r in result["results"]:
         per = sum(r["per_worker_steps_per_s"]) / r["workers"]
         rate, startup = r["steps_per_s"], r["startup_s"]
-        print(f"  {r['task']:<6}  {r['workers']:>7}  {rate:>8.0f}  {per:>10.0f}  {startup:>7.2f}s")
-    print(f"  through EnvPool (Ray), {c['pool_envs']} envs per batched step:")
-    print(f"  {'task':<6}  {'workers':>7}  {'steps/s':>8}  {'calls/s':>10}  {'startup':>8}")
-    for r in result["pool"]:
-        rate, calls, startup = r["env_steps_per_s"], r["batched_calls_per_s"], r["startup_s"]
-        print(f"  {r['task']:<6}  {r['workers']:>7}  {rate:>8.0f}  {calls:>10.0f}  {startup:>7.2f}s")
+        print(f"  {r['task']:<18}  {r['workers']:>7}  {rate:>8.0f}  {per:>10.0f}  {startup:>7.2f}s")
+    if result["pool"]:
+        print(f"  through EnvPool (Ray), {c['pool_envs']} envs per batched step:")
+        print(f"  {'task':<18}  {'workers':>7}  {'steps/s':>8}  {'calls/s':>10}  {'startup':>8}")
+        for r in result["pool"]:
+            rate, calls, startup = r["env_steps_per_s"], r["batched_calls_per_s"], r["startup_s"]
+            print(f"  {r['task']:<18}  {r['workers']:>7}  {rate:>8.0f}  {calls:>10.0f}  {startup:>7.2f}s")
     before, after = result["load_avg_before"][0], result["load_avg_after"][0]
     print(f"  load avg before/after: {before:.2f} / {after:.2f}")
 
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         measure_pool(t, n, args.pool_envs, args.steps, args.image_size)
         for t in args.tasks
         for n in args.workers
+        if args.pool_envs
     ]
     result = {
         "system": "mmrl-envs",

@@ -37,6 +37,12 @@ a real spread of lengths, which each run reports (min / median / max over its sa
 checkpointing is off on both sides unless `--gradient-checkpointing` (TRL's own default is on).
 
     bench/.venv/bin/python bench/vs_trl.py --shape realistic --threads 1 --out bench/results/vs_trl_realistic.json
+
+`--shape 3b` is for a GPU: Qwen2.5-VL-3B's layer sizes (3.1 B parameters with the tiny tokenizer's
+vocabulary), bf16 autocast over fp32 weights on both sides, 448 px images, 2 prompts x n=8 at up to 256
+new tokens, 4 steps, mmrl and TRL. Each run also reports its peak GPU memory.
+
+    bench/.venv/bin/python bench/vs_trl.py --shape 3b --out bench/results/vs_trl_3b.json
 """
 
 from __future__ import annotations
@@ -95,6 +101,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         "systems": "mmrl,trl,mmrl-padded",
         "mmrl_override": ["actor.padding_free=true"],
     },
+    # Qwen2.5-VL-3B's layer sizes on a GPU, bf16 compute over fp32 weights on both sides: 2 prompts x
+    # n=8 at up to 256 new tokens. The tokenizer is still the tiny one (1,003 ids, not 151,936), so the
+    # output layer is about 10% of a real 3B's per-token FLOPs short.
+    "3b": {
+        "batch": 2,
+        "n": 8,
+        "max_new_tokens": 256,
+        "image_size": 448,
+        "steps": 4,
+        "repeats": 1,
+        "lr": 1e-6,
+        "warmup_steps": 0,
+        "systems": "mmrl,trl",
+        "mmrl_override": ["actor.padding_free=true"],
+        "dtype": "bfloat16",
+    },
 }
 # The realistic shape's sizes over the tiny Qwen2.5-VL config (head_dim 64: mrope_section sums to 32).
 REALISTIC_TEXT = {
@@ -114,6 +136,26 @@ REALISTIC_VISION = {
     "window_size": 112,
     "fullatt_block_indexes": [3],
 }
+# Qwen2.5-VL-3B-Instruct's published config (head_dim 128: mrope_section sums to 64).
+QWEN25VL_3B_TEXT = {
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+}
+QWEN25VL_3B_VISION = {
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "out_hidden_size": 2048,
+    "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+}
+# The random-init model each larger shape builds (text sizes, vision sizes).
+SIZES = {"realistic": (REALISTIC_TEXT, REALISTIC_VISION), "3b": (QWEN25VL_3B_TEXT, QWEN25VL_3B_VISION)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,6 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=None, help="runs per system")
     p.add_argument("--lr", type=float, default=None)
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="compute dtype (weights stay fp32)"
+    )
     p.add_argument("--warmup-steps", type=int, default=None, help="shared format warm-up before RL")
     p.add_argument(
         "--systems", default=None, help=f"comma-separated, alternating: {SYSTEMS + tuple(VARIANTS)}"
@@ -150,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for key, value in SHAPES[args.shape].items():
+    for key, value in {"dtype": "float32", **SHAPES[args.shape]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.systems = args.systems.split(",") if isinstance(args.systems, str) else args.systems
@@ -168,8 +213,8 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
     from mmrl.trainer import Trainer
     from mmrl.warmup import format_warmup
 
-    if args.shape == "realistic" and not (root / "tiny-model" / "config.json").exists():
-        build_realistic(root / "tiny-model", args.image_size, args.eos_scale)
+    if args.shape in SIZES and not (root / "tiny-model" / "config.json").exists():
+        build_realistic(root / "tiny-model", args.image_size, args.eos_scale, *SIZES[args.shape])
     model_dir, data_dir = make_workspace(root, max(512, args.batch * args.steps), args.image_size)
     start = root / "start-model"
     if (start / "config.json").exists():
@@ -193,24 +238,32 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
     return start
 
 
-def build_realistic(out: Path, image_size: int, eos_scale: float) -> None:
-    """The realistic shape's random-init Qwen2.5-VL; prints its parameter count."""
+def build_realistic(
+    out: Path, image_size: int, eos_scale: float, text: dict[str, Any], vision: dict[str, Any]
+) -> None:
+    """A larger random-init Qwen2.5-VL with the eos row scaled; prints its parameter count."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from mmrl.models import build_tiny
 
-    build_tiny(out, max_pixels=image_size**2, text=REALISTIC_TEXT, vision=REALISTIC_VISION)
+    build_tiny(out, max_pixels=image_size**2, text=text, vision=vision)
     eos = json.loads((out / "config.json").read_text())["text_config"]["eos_token_id"]  # <|im_end|>
-    (weights,) = out.glob("*.safetensors")
-    tensors = load_file(weights)
-    (embed,) = [k for k in tensors if k.endswith("embed_tokens.weight")]  # tied: the output row too
-    tensors[embed][eos] *= eos_scale
-    save_file(tensors, weights, metadata={"format": "pt"})
-    count = sum(t.numel() for t in tensors.values())
-    vision = sum(t.numel() for k, t in tensors.items() if "visual." in k)
-    print(
-        f"realistic model: {count / 1e6:.1f} M parameters ({vision / 1e6:.1f} M in the vision tower), float32"
-    )
+    count = vision_count = 0
+    for weights in sorted(out.glob("*.safetensors")):  # one file, or several shards
+        with safe_open(weights, "pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+        count += sum(_numel(s) for s in shapes.values())
+        vision_count += sum(_numel(s) for k, s in shapes.items() if "visual." in k)
+        if embed := [k for k in shapes if k.endswith("embed_tokens.weight")]:  # tied: the output row too
+            tensors = load_file(weights)
+            tensors[embed[0]][eos] *= eos_scale
+            save_file(tensors, weights, metadata={"format": "pt"})
+    print(f"model: {count / 1e6:.1f} M parameters ({vision_count / 1e6:.1f} M in the vision tower), float32")
+
+
+def _numel(shape: list[int]) -> int:
+    return functools.reduce(lambda a, b: a * b, shape, 1)
 
 
 def lengths_summary(lengths: list[int]) -> dict[str, float]:
@@ -267,6 +320,7 @@ def run_mmrl(args: argparse.Namespace, root: Path, extra: list[str] | None = Non
         f"trainer.total_steps={args.steps}",
         f"trainer.seed={args.seed}",
         f"model.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+        f"model.dtype={args.dtype}",
         *args.mmrl_override,
         *(extra or []),
     ]
@@ -323,7 +377,7 @@ def trl_reward(completions: list[Any], answer: list[str], **_: Any) -> list[floa
 
 
 def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """The same GRPO steps through TRL's GRPOTrainer, on CPU, without vLLM."""
+    """The same GRPO steps through TRL's GRPOTrainer, on the GPU if there is one, without vLLM."""
     import torch
     from datasets import Dataset
     from PIL import Image
@@ -375,8 +429,8 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         shuffle_dataset=False,
         remove_unused_columns=False,
         use_vllm=False,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=args.dtype == "bfloat16",  # autocast over fp32 weights, like mmrl's model.dtype
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -590,8 +644,16 @@ def child(args: argparse.Namespace) -> int:
     else:
         result = {"mmrl": run_mmrl, "trl": run_trl, "replay": check_update}[args.role](args, root)
     result["peak_rss_gb"] = peak_rss_gb()
+    result["peak_gpu_gb"] = _peak_gpu_gb()
     args.result.write_text(json.dumps(result))
     return 0
+
+
+def _peak_gpu_gb() -> float | None:
+    """Peak GPU memory held by tensors in this process (None without a GPU)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 # ------------------------------------------------------------------ orchestration (parent)
@@ -609,7 +671,18 @@ def launch(args: argparse.Namespace, system: str, root: Path, index: int) -> dic
         str(root),
         *(
             f"--{k.replace('_', '-')}={getattr(args, k)}"
-            for k in ("shape", "batch", "n", "max_new_tokens", "image_size", "steps", "lr", "seed", "threads")
+            for k in (
+                "shape",
+                "batch",
+                "n",
+                "max_new_tokens",
+                "image_size",
+                "steps",
+                "lr",
+                "dtype",
+                "seed",
+                "threads",
+            )
         ),
         *(f"--mmrl-override={o}" for o in args.mmrl_override),
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
@@ -638,6 +711,7 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -
             "median_step_s": step,
             "samples_per_s": samples / step,
             "peak_rss_gb": median([r["peak_rss_gb"] for r in rs]),
+            "peak_gpu_gb": rs[0]["peak_gpu_gb"] and median([r["peak_gpu_gb"] for r in rs]),
             "train_wall_s": median([r["train_wall_s"] for r in rs]),
             "process_wall_s": median([r["process_wall_s"] for r in rs]),
             "reward_first": median([sum(r["reward"][:first_k]) / first_k for r in rs]),
@@ -692,6 +766,18 @@ def print_table(args: argparse.Namespace, summary: dict[str, Any], runs: dict[st
         ),
         ("samples/s, per-repeat ratio", "", "", f"{r['samples_per_s_pairwise_median']:.2f}x"),
         ("peak RSS (GiB)", f"{m['peak_rss_gb']:.2f}", f"{t['peak_rss_gb']:.2f}", f"{r['peak_rss']:.2f}x"),
+        *(
+            [
+                (
+                    "peak GPU memory (GiB)",
+                    f"{m['peak_gpu_gb']:.2f}",
+                    f"{t['peak_gpu_gb']:.2f}",
+                    f"{m['peak_gpu_gb'] / t['peak_gpu_gb']:.2f}x",
+                )
+            ]
+            if m["peak_gpu_gb"] and t["peak_gpu_gb"]
+            else []
+        ),
         ("train wall (s)", f"{m['train_wall_s']:.1f}", f"{t['train_wall_s']:.1f}", ""),
         ("process wall (s)", f"{m['process_wall_s']:.1f}", f"{t['process_wall_s']:.1f}", ""),
         (f"reward, first {k} steps", f"{m['reward_first']:.3f}", f"{t['reward_first']:.3f}", ""),
@@ -775,6 +861,7 @@ def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "steps",
             "repeats",
             "lr",
+            "dtype",
             "warmup_steps",
             "seed",
             "threads",
@@ -798,7 +885,8 @@ def parent(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             runs[system].append(result)
             print(
                 f"run {i + 1}/{args.repeats} {system}: median step {median(result['step_s'][1:]):.3f} s, "
-                f"peak RSS {result['peak_rss_gb']:.2f} GiB, load {result['load_avg'][0]:.1f}, "
+                f"peak RSS {result['peak_rss_gb']:.2f} GiB, GPU {result['peak_gpu_gb'] or 0:.2f} GiB, "
+                f"load {result['load_avg'][0]:.1f}, "
                 f"phases {', '.join(f'{k} {v:.2f}' for k, v in result['phases_s'].items())}, response lengths "
                 f"{', '.join(f'{k} {v:g}' for k, v in result['lengths'].items())}",
                 flush=True,
