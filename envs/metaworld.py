@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from envs.base import Env, Info, Obs, StepResult
-from envs.gl import load_mujoco, make_renderer
+from envs.gl import load_mujoco
+from envs.views import CameraViews
 
 __all__ = ["INSTRUCTIONS", "MetaWorldEnv", "metaworld_expert"]
 
-mujoco = load_mujoco()  # picks the GL backend before Meta-World imports mujoco
+load_mujoco()  # picks the GL backend before Meta-World imports mujoco
 
 INSTRUCTIONS: dict[str, str] = {
     "assembly-v3": "put the ring on the peg",
@@ -121,8 +122,6 @@ class MetaWorldEnv(Env):
     ) -> None:
         if task not in INSTRUCTIONS:
             raise ValueError(f"unknown Meta-World task {task!r}; the tasks are: {', '.join(INSTRUCTIONS)}")
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not 0 < max_steps <= _HORIZON:
             raise ValueError(f"max_steps must be an integer in [1, {_HORIZON}], got {max_steps!r}")
         metaworld = _metaworld()
@@ -132,23 +131,11 @@ class MetaWorldEnv(Env):
         }
         self._task_type = metaworld.Task
         self.sim = self._cls()
-        model = self.sim.model
-        known = [model.camera(i).name for i in range(model.ncam)]
-        self.cameras = [camera] if isinstance(camera, str) else list(camera)
-        for name in self.cameras or [""]:
-            if name not in known:
-                raise ValueError(f"camera {name!r} is not in Meta-World's scene; its cameras are: {known}")
-        self.task, self.image_size = task, image_size
+        cameras = [camera] if isinstance(camera, str) else list(camera)
+        self.views = CameraViews(self.sim.model, image_size, cameras, "Meta-World")
+        self.task, self.image_size, self.cameras = task, image_size, cameras
         self.instruction = INSTRUCTIONS[task]
         self.max_steps, self.shaping = max_steps, float(shaping)
-        model.vis.quality.offsamples = 0
-        offscreen = model.vis.global_
-        offscreen.offwidth = max(offscreen.offwidth, image_size)
-        offscreen.offheight = max(offscreen.offheight, image_size)
-        self._renderer = make_renderer(model, image_size, image_size)
-        for flag in (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION):
-            self._renderer.scene.flags[flag] = False
-        self._upside_down: dict[str, bool] = {}  # per camera, known once a reset has placed them
         self._rng = np.random.default_rng()
         self._steps = 0
         self._done = True
@@ -185,16 +172,7 @@ class MetaWorldEnv(Env):
 
     def render(self) -> np.ndarray:
         """The current frame, world-up at the top: image_size x (image_size x cameras) x 3 uint8."""
-        return np.concatenate([self._view(name) for name in self.cameras], axis=1)
-
-    def _view(self, camera: str) -> np.ndarray:
-        self._renderer.update_scene(self.sim.data, camera=camera)
-        frame = self._renderer.render()
-        if camera not in self._upside_down:
-            # The camera frame's y axis is the image's up; Meta-World's corner cameras point it downwards.
-            up = self.sim.data.camera(camera).xmat.reshape(3, 3)[:, 1]
-            self._upside_down[camera] = bool(up[2] < 0)
-        return np.ascontiguousarray(frame[::-1, ::-1]) if self._upside_down[camera] else frame
+        return self.views.render(self.sim.data)
 
     @property
     def raw_observation(self) -> np.ndarray:
@@ -207,7 +185,7 @@ class MetaWorldEnv(Env):
         return _metaworld().policies.ENV_POLICY_MAP[self.task]()
 
     def close(self) -> None:
-        self._renderer.close()
+        self.views.close()
         self.sim.close()
 
     def _observe(self) -> Obs:
