@@ -24,3 +24,4 @@ __all__ = [
 register_env("reach", "envs.reach:ReachEnv")
 register_env("push", "envs.push:PushEnv")
 register_env("metaworld/", "envs.metaworld:MetaWorldEnv")
+register_env("libero/", "envs.libero:LiberoEnv")
