@@ -26,6 +26,7 @@ opening.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -64,7 +65,10 @@ def _libero() -> Any:
     root = Path(next(iter(spec.submodule_search_locations))) / "libero"
     asset_dir = Path(next(iter(assets.submodule_search_locations))) / "assets"
     if "LIBERO_CONFIG_PATH" not in os.environ and not (Path.home() / ".libero" / "config.yaml").exists():
-        folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmrl" / "libero"
+        # One folder per installation (each virtual environment has its own LIBERO), written atomically
+        # because several env workers may start at once.
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        folder = cache / "mmrl" / "libero" / hashlib.sha1(str(root).encode()).hexdigest()[:12]
         folder.mkdir(parents=True, exist_ok=True)
         paths = {
             "benchmark_root": root,
@@ -73,7 +77,9 @@ def _libero() -> Any:
             "datasets": folder / "datasets",
             "assets": asset_dir,
         }
-        (folder / "config.yaml").write_text(yaml.safe_dump({k: str(v) for k, v in paths.items()}))
+        tmp = folder / f".config.{os.getpid()}.yaml"
+        tmp.write_text(yaml.safe_dump({k: str(v) for k, v in paths.items()}))
+        os.replace(tmp, folder / "config.yaml")
         os.environ["LIBERO_CONFIG_PATH"] = str(folder)
     import libero.libero as libero
 
