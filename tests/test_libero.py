@@ -55,18 +55,43 @@ def test_a_seed_is_one_of_libero_s_stored_initial_states_and_replays_exactly(spa
     np.testing.assert_array_equal(state, fresh_state)
 
 
-def test_success_is_libero_s_goal_predicate_and_ends_the_episode_with_reward_one(spatial: LiberoEnv) -> None:
+def _move(env: LiberoEnv, target: np.ndarray, grip: float, steps: int) -> tuple[float, bool, bool, dict]:
+    """Drive the hand to `target` with OSC_POSE position deltas (proportional, saturated) for at most
+    `steps`, gripper held at `grip`; stops at the target or at the episode's end."""
+    ended = (0.0, False, False, {"success": False})
+    for _ in range(steps):
+        error = target - env.raw_observation["robot0_eef_pos"]
+        if np.linalg.norm(error) < 0.005:
+            break
+        action = np.r_[np.clip(error / 0.025, -1.0, 1.0), np.zeros(3), grip]
+        _, *ended = env.step(action)  # type: ignore[assignment]
+        if ended[1] or ended[2]:
+            break
+    return tuple(ended)  # type: ignore[return-value]
+
+
+def _above(point: np.ndarray, height: float) -> np.ndarray:
+    return point + np.array([0.0, 0.0, height])
+
+
+def test_a_scripted_pick_and_place_succeeds_and_success_ends_the_episode(spatial: LiberoEnv) -> None:
     spatial.reset(seed=0)
-    _, reward, terminated, truncated, info = spatial.step(np.zeros(7))
+    _, reward, terminated, truncated, info = spatial.step(np.r_[np.zeros(6), -1.0])
     assert (reward, terminated, truncated, info) == (0.0, False, False, {"success": False})
-    # Put the bowl on the plate by hand (no scripted grasp here): LIBERO's own check must see it.
-    model, data = spatial.sim_env.sim.model._model, spatial.sim_env.sim.data._data
-    bowl = model.joint("akita_black_bowl_1_joint0").qposadr[0]
-    plate = spatial.raw_observation["plate_1_pos"]
-    data.qpos[bowl : bowl + 3] = plate + np.array([0.0, 0.0, 0.03])
-    data.qvel[:] = 0.0
-    for _ in range(20):
-        _, reward, terminated, truncated, info = spatial.step(np.zeros(7))
+    raw = spatial.raw_observation
+    # The bowl is grasped by its rim: 5 cm to the side of its centre, 3 cm up.
+    rim = raw["akita_black_bowl_1_pos"] + np.array([0.0, 0.05, 0.03])
+    plate = raw["plate_1_pos"] + np.array([0.0, 0.05, 0.0])
+    _move(spatial, _above(rim, 0.09), -1.0, 40)
+    _move(spatial, rim, -1.0, 30)
+    for _ in range(10):
+        spatial.step(np.r_[np.zeros(6), 1.0])
+    _move(spatial, _above(rim, 0.12), 1.0, 30)
+    assert spatial.raw_observation["akita_black_bowl_1_pos"][2] > raw["akita_black_bowl_1_pos"][2] + 0.08
+    _move(spatial, _above(plate, 0.15), 1.0, 40)
+    _move(spatial, _above(plate, 0.06), 1.0, 20)
+    for _ in range(10):
+        _, reward, terminated, truncated, info = spatial.step(np.r_[np.zeros(6), -1.0])
         if terminated:
             break
     assert (reward, terminated, truncated, info) == (1.0, True, False, {"success": True})
