@@ -10,6 +10,7 @@ import gc
 import json
 from types import SimpleNamespace
 
+import numba  # noqa: F401  (LIBERO's robosuite imports it: every engine here must start beside llvmlite)
 import pytest
 import torch
 from helpers import BUDGET, mixed_media_dataset, mixed_prompts, update_once, vllm_engine

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,7 @@ class VLLMEngine:
         self.per_request_seeds = not current_platform.is_cpu()
         if settings.tensor_parallel_size > 1:
             os.environ.update(_launcher_env())
+        _readable_by_vllms_module_scan()
         self.llm = LLM(
             model=str(model_folder(model_path)),
             dtype=compute_dtype,
@@ -386,3 +388,15 @@ def _repack_experts(model: Any) -> None:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None:
             kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _readable_by_vllms_module_scan() -> None:
+    """vLLM 0.32's CPU platform, starting an engine, reads `vars()` of every attribute of every imported
+    module. llvmlite's `binding.ffi.lib` (numba's LLVM binding; robosuite, and so LIBERO, imports numba)
+    answers any attribute name with a wrapped C function, `__dict__` included, and the scan raises
+    `'_lib_fn_wrapper' object has no attribute 'get'`. Give that one object an empty `__dict__` to read
+    (it looks names up in its `_fntab` first)."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
