@@ -4,7 +4,8 @@
 
 - **Seeds.** Meta-World draws object and goal positions from a global NumPy stream or from 50 fixed
   tasks per environment. Here the positions come from the seed alone (uniform over the task's own
-  reset space), so `reset(seed)` is the same episode in any process, on any worker, after any history.
+  reset space, redrawn from the same stream where they break the task's own rule), so `reset(seed)` is
+  the same episode in any process, on any worker, after any history.
 - **Frames.** Rendered offscreen with `mujoco.Renderer` at the policy's size, from any of the scene's
   cameras, turned so the world's up is up (Meta-World's corner cameras are mounted upside down). Shadows,
   reflections and multisampling are off: several times faster on a CPU, same geometry and colours.
@@ -144,15 +145,19 @@ class MetaWorldEnv(Env):
         """A new episode with positions drawn from ``seed`` (or the env's own stream when None)."""
         if seed is not None:
             self._rng = np.random.default_rng(seed)
-        space = self.sim._random_reset_space
-        positions = self._rng.uniform(space.low, space.high)
         data = {
             **self._task_kwargs,
             "env_cls": self._cls,
-            "rand_vec": positions,
+            "rand_vec": self.sim._random_reset_space.low,  # a placeholder: the reset below draws
             "partially_observable": False,
         }
         self.sim.set_task(self._task_type(env_name=self.task, data=pickle.dumps(data)))
+        # Draw positions from the seeded stream inside Meta-World's reset, which redraws those that break
+        # the task's own rule (reach: the goal at least 15 cm from the object). A frozen draw that broke
+        # it would be redrawn forever: 18 of reach's first 300 seeds hung that way.
+        self.sim._freeze_rand_vec = False
+        self.sim.seeded_rand_vec = True
+        self.sim.np_random = self._rng
         self._raw, _ = self.sim.reset()
         self._steps = 0
         self._done = False
