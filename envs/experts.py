@@ -195,14 +195,19 @@ def scripted_expert(env: Env) -> ScriptedExpert:
 def expert_action(env: Env, rng: np.random.Generator, noise: float | None = None) -> np.ndarray:
     """The expert's action plus i.i.d. Gaussian noise of std ``noise`` (None: the task's default),
     clipped to [-1, 1]."""
-    expert = scripted_expert(env)
-    std = expert.default_noise if noise is None else noise
-    return np.clip(expert.act(env) + std * rng.standard_normal(env.action_dim), -1.0, 1.0)
+    return _noisy(env, scripted_expert(env).act(env), rng, noise)
+
+
+def _noisy(env: Env, clean: np.ndarray, rng: np.random.Generator, noise: float | None) -> np.ndarray:
+    std = scripted_expert(env).default_noise if noise is None else noise
+    return np.clip(clean + std * rng.standard_normal(env.action_dim), -1.0, 1.0)
 
 
 @dataclass(frozen=True, eq=False)
 class Demo:
-    """One expert episode: ``frames[t]`` is the frame the expert saw when it chose ``actions[t]``."""
+    """One expert episode: ``frames[t]`` is the frame the expert saw when it chose ``actions[t]``, the
+    action executed (noise included); ``expert_actions[t]`` is what the expert itself chose there, the
+    noise-free label DART-style cloning trains on."""
 
     seed: int
     instruction: str
@@ -210,6 +215,7 @@ class Demo:
     actions: np.ndarray  # (T, action_dim) float32, in [-1, 1]
     success: bool
     states: np.ndarray  # (T, state_dim) float32: the proprioceptive state beside each frame
+    expert_actions: np.ndarray  # (T, action_dim) float32: the noise-free expert action at each frame
 
 
 def collect_demos(
@@ -235,13 +241,16 @@ def collect_demos(
 def _rollout(env: Env, seed: int, noise: float | None) -> Demo:
     rng = np.random.default_rng([seed, 1])  # the noise stream, independent of the scene's
     obs, info = env.reset(seed=seed)
-    frames, actions, states = [], [], []
+    act = scripted_expert(env).act
+    frames, actions, states, clean_actions = [], [], [], []
     done = False
     while not done:
-        action = expert_action(env, rng, noise)
+        clean = act(env)
+        action = _noisy(env, clean, rng, noise)
         frames.append(obs["image"])
         states.append(obs["state"])
         actions.append(action)
+        clean_actions.append(np.clip(clean, -1.0, 1.0))
         obs, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
     return Demo(
@@ -251,4 +260,5 @@ def _rollout(env: Env, seed: int, noise: float | None) -> Demo:
         actions=np.asarray(actions, dtype=np.float32),
         success=bool(info["success"]),
         states=np.asarray(states, dtype=np.float32),
+        expert_actions=np.asarray(clean_actions, dtype=np.float32),
     )

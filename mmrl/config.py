@@ -222,6 +222,9 @@ class AlgorithmConfig(_Section):
     norm_adv_by_std: bool = True
     gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens")
     lam: float = Field(1.0, ge=0, le=1, description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD")
+    step_weight: float = Field(
+        1.0, ge=0, description="GiGPO's ω: the weight of the step-level advantage beside the episode's"
+    )
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal and sample more prompts"
     )
@@ -405,6 +408,11 @@ class SftConfig(_Section):
     demo_seed: int = Field(500_000, ge=0, description="First env seed of the demos")
     noise: float | None = Field(None, ge=0, description="Expert action noise std; None: the task's default")
     success_only: bool = Field(False, description="Clone only the demos that succeeded")
+    labels: Literal["executed", "expert"] = Field(
+        "executed",
+        description="What the clone is taught at each demo frame: the noisy action the demo executed, or "
+        "the expert's noise-free action there (DART: noise only widens the states the demos visit)",
+    )
     steps: int = Field(300, gt=0)
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, gt=0)
@@ -477,6 +485,11 @@ class Config(_Section):
             raise ValueError("data.train_files is required: name the training data (or add an env section)")
         if self.env is not None:
             self._check_env_supported()
+        elif self.algorithm.adv_estimator == "gigpo":
+            raise ValueError(
+                "algorithm.adv_estimator=gigpo compares decisions made from the same state across the "
+                "episodes of a group, so it needs an env section; use grpo for prompts"
+            )
         if self.data.train_batch_size % self.actor.mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "

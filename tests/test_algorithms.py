@@ -20,6 +20,7 @@ from mmrl.algorithms import (
     entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
+    gigpo,
     grpo,
     gspo,
     kl_penalty,
@@ -151,13 +152,42 @@ def test_remax_by_hand() -> None:
         remax(rewards, mask, torch.tensor([0, 1]))
 
 
+def test_gigpo_by_hand() -> None:
+    # Group 0, γ = 0.5, one decision a row, its step reward on its last token:
+    #   episode 10: states A, B; rewards 0, 1 -> R = 1, to-go 0.5, 1
+    #   episode 11: states A, C, B; rewards 0, 0, 0 -> R = 0, to-go 0, 0, 0
+    # Group 1 (episode 12, one decision) meets state "A" (id 0) too, but only its own group counts.
+    # Centred only: A^E = +-0.5; step groups A: (0.5, 0) -> +-0.25, B: (1, 0) -> +-0.5, C alone -> 0.
+    rewards = torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, PAD], [0.0, 0.0], [0.0, 0.0], [3.0, PAD]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [1, 0]])
+    groups, episodes = torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([10, 10, 11, 11, 11, 12])
+    anchors = torch.tensor([0, 1, 0, 2, 1, 0])
+    kwargs = {"episode_index": episodes, "anchor_index": anchors, "gamma": 0.5, "norm_adv_by_std": False}
+    adv, to_go = gigpo(rewards, mask, groups, step_weight=0.5, **kwargs)
+    per_row = [0.5 + 0.125, 0.5 + 0.25, -0.5 - 0.125, -0.5, -0.5 - 0.25, 0.0]
+    close(adv, [[v * m for m in row] for v, row in zip(per_row, mask.tolist(), strict=True)])
+    close(to_go[:, 0], [0.5, 1.0, 0.0, 0.0, 0.0, 3.0])
+    # With std (unbiased, n - 1 = 1): every pair of two values normalises to +-1/sqrt(2).
+    adv, _ = gigpo(rewards, mask, groups, **{**kwargs, "norm_adv_by_std": True})
+    h = 0.5**0.5
+    close(adv[:, 0], [2 * h, 2 * h, -2 * h, -h, -2 * h, 0.0], atol=1e-4)
+    with pytest.raises(ValueError, match="anchor_index"):
+        gigpo(rewards, mask, groups, episode_index=episodes)
+
+
 COMMON_KWARGS = {"eps": 1e-6, "norm_adv_by_std": True, "gamma": 1.0, "unused_option": "x"}
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
 def test_every_estimator_masks_padding_and_takes_common_kwargs(name: str) -> None:
     fn = get_advantage_estimator(name)
-    kwargs = {**COMMON_KWARGS, "baseline_scores": torch.linspace(0, 1, 7), "values": 0.1 * REWARDS.cos()}
+    kwargs = {
+        **COMMON_KWARGS,
+        "baseline_scores": torch.linspace(0, 1, 7),
+        "values": 0.1 * REWARDS.cos(),
+        "episode_index": torch.arange(7),
+        "anchor_index": torch.zeros(7, dtype=torch.long),
+    }
     adv, returns = fn(REWARDS, MASK, GROUPS, **kwargs)
     assert adv.shape == returns.shape == MASK.shape
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()

@@ -202,6 +202,12 @@ def test_grpo_needs_a_group() -> None:
     assert load_config(QUICKSTART, ["rollout.n=2"]).rollout.n == 2
 
 
+def test_gigpo_needs_episodes() -> None:
+    assert "needs an env section" in _error(["algorithm.adv_estimator=gigpo"])
+    reach = load_config(QUICKSTART.parent / "vla_mujoco_reach.yaml", ["algorithm.adv_estimator=gigpo"])
+    assert reach.algorithm.adv_estimator == "gigpo" and reach.algorithm.step_weight == 1.0
+
+
 def test_min_pixels_above_max_pixels_fails() -> None:
     message = _error(["data.min_pixels=6272", "data.max_pixels=3136"])
     assert "data.min_pixels must not exceed data.max_pixels" in message

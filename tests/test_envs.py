@@ -13,7 +13,7 @@ import pytest
 
 import envs
 from envs import Env, Info, make_env, register_env, registered_envs, registry
-from envs.experts import collect_demos, expert_action, scripted_expert
+from envs.experts import collect_demos, expert_action, push_expert, scripted_expert
 from envs.mujoco_env import COLOURS, MujocoEnv
 from envs.push import PushEnv
 from envs.reach import ReachEnv
@@ -244,7 +244,14 @@ def test_demos_are_aligned_and_reproducible() -> None:
         assert d.actions.shape == (len(d.actions), 2) and np.abs(d.actions).max() <= 1.0
         assert d.instruction.startswith("push the block onto the")
         assert np.array_equal(d.frames, e.frames) and np.array_equal(d.actions, e.actions)
+        # the noise-free labels are the expert's choice at each visited frame, not what was executed
+        assert d.expert_actions.shape == d.actions.shape and not np.allclose(d.expert_actions, d.actions)
+        with PushEnv(image_size=64) as env:
+            env.reset(seed=d.seed)
+            assert np.allclose(d.expert_actions[0], np.clip(push_expert(env), -1, 1))
     assert [d.seed for d in first] == [7, 8, 9]
+    for clean in collect_demos("push", 2, seed=7, noise=0.0):
+        assert np.array_equal(clean.expert_actions, clean.actions)
 
 
 def test_expert_lookup_names_the_tasks_that_have_one() -> None:

@@ -27,7 +27,7 @@ from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts, frame_history
 from mmrl.vla.sft import demo_steps
-from mmrl.vla.source import episode_advantages, train_seeds
+from mmrl.vla.source import episode_advantages, step_advantages, train_seeds
 from processors import PixelBudget
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
@@ -95,6 +95,13 @@ def test_episodes_run_in_lockstep_and_each_decision_earns_its_episode_return(pol
     assert len(batch.prompts) == len(batch)  # a frame per decision
     assert [len(f) for f in episodes.frames] == (episodes.lengths[:2] + 1).tolist()  # reset frame + steps
     assert episodes.invalid == {}
+    # GiGPO's inputs: each decision's own reward sums to its episode's return, and the two episodes
+    # from seed 11 start from one state (one anchor), which seed 12's first state is not.
+    per_episode = torch.zeros(3).index_add_(0, batch["episode_index"], batch["step_rewards"])
+    assert torch.allclose(per_episode, episodes.returns)
+    first = [int((batch["episode_index"] == e).nonzero()[0]) for e in range(3)]
+    anchors = batch["anchor_index"][first].tolist()
+    assert anchors[0] == anchors[1] != anchors[2]
 
 
 def test_malformed_actions_are_counted_penalised_and_applied_as_zero(policy) -> None:
@@ -137,12 +144,39 @@ def test_trajectory_grpo_normalises_over_episodes_not_decisions() -> None:
     assert torch.allclose(advantages, expected, atol=1e-5)
 
 
+def test_gigpo_over_episodes_credits_the_decision_that_differed_from_a_shared_state() -> None:
+    # One group, γ = 1: both episodes start in state 0; episode 0 then succeeds (reward 1 on its second
+    # decision, from state 1), episode 1 fails from state 2. Centred only (no std):
+    # A^E = ±0.5; the shared first state compares to-go 1 vs 0 -> ±0.5; states 1 and 2 are met once -> 0.
+    batch = Batch(
+        tensors={
+            "episode_index": torch.tensor([0, 0, 1, 1]),
+            "group_index": torch.tensor([0, 0, 0, 0]),
+            "step_rewards": torch.tensor([0.0, 1.0, 0.0, 0.0]),
+            "anchor_index": torch.tensor([0, 1, 0, 2]),
+            "response_mask": torch.tensor([[1, 1]] * 4),
+        }
+    )
+    advantages, to_go = step_advantages(
+        get_advantage_estimator("gigpo"), batch, norm_adv_by_std=False, gamma=1.0, step_weight=1.0
+    )
+    assert torch.allclose(advantages[:, 0], torch.tensor([1.0, 0.5, -1.0, -0.5]))
+    assert torch.allclose(to_go[:, 1], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
 def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:
     frames = np.zeros((3, 8, 8, 3), np.uint8)
     actions = np.array([[-0.9, 0.9], [0.0, 0.5], [0.6, -0.3]], dtype=np.float32)  # 3 steps: odd
+    clean = np.array([[-1.0, 1.0], [0.0, 1.0], [1.0, -0.5]], dtype=np.float32)  # the expert, noise-free
     states = np.zeros((3, 4), np.float32)
     demo = Demo(
-        seed=0, instruction="touch the red ball", frames=frames, actions=actions, success=True, states=states
+        seed=0,
+        instruction="touch the red ball",
+        frames=frames,
+        actions=actions,
+        success=True,
+        states=states,
+        expert_actions=clean,
     )
     tokenizer = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2)
     steps = demo_steps([demo], tokenizer)
@@ -150,6 +184,8 @@ def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:
         (0, tokenizer.encode(actions[:2])),
         (2, tokenizer.encode(actions[[2, 2]])),  # the episode ends mid-chunk: its last action fills it
     ]
+    dart = demo_steps([demo], tokenizer, labels="expert")  # sft.labels: the expert's own actions
+    assert [ids for *_, ids in dart] == [tokenizer.encode(clean[:2]), tokenizer.encode(clean[[2, 2]])]
     stats = ActionStats.from_demos([actions])
     with_stats = ActionTokenizer(action_dim=2, start_id=100, n_bins=16, chunk=2, stats=stats)
     restored = ActionTokenizer.from_dict(json.loads(json.dumps(with_stats.to_dict())))

@@ -240,3 +240,67 @@ def gae(
         advantages[:, t] = torch.where(mask[:, t], running, 0.0)
     returns = advantages + values
     return masked_whiten(advantages, mask, eps), returns
+
+
+@register_advantage_estimator("gigpo")
+@torch.no_grad()
+def gigpo(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    episode_index: Tensor | None = None,
+    anchor_index: Tensor | None = None,
+    gamma: float = 1.0,
+    step_weight: float = 1.0,
+    eps: float = 1e-6,
+    norm_adv_by_std: bool = True,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """GiGPO (Feng et al. 2025, verl-agent): rows are the decisions of multi-step episodes, an
+    episode's rows in time order, each carrying its own step reward r_t.
+
+    A(a_t) = A^E(τ) + ω·A^S(a_t). The episode level is GRPO over whole returns R(τ) = Σ_t r_t within
+    `group_index` (episodes from one initial state). The step level compares actions taken from the
+    same state: decisions whose `anchor_index` matches within a group form a step group, each valued
+    by its discounted return-to-go R_t = Σ_{k≥t} γ^{k−t} r_k, and A^S is GRPO over that group (0 for a
+    state met once). ω is `step_weight`; `norm_adv_by_std=False` only centres, at both levels.
+    ``returns`` is R_t. Credit for single steps comes without a critic or extra rollouts, because
+    episodes from one start revisit states.
+    """
+    if episode_index is None or anchor_index is None:
+        raise ValueError(
+            "gigpo needs episode_index and anchor_index (Tensor[B]: each decision's episode and state)"
+        )
+    step_rewards = _scores(token_rewards, response_mask)
+    position, first = first_rows(episode_index)
+    episode_return = torch.zeros(len(first)).index_add_(0, position, step_rewards)
+    episode_adv = _normalised(episode_return, group_index[first], eps, norm_adv_by_std)[position]
+
+    to_go = torch.zeros_like(step_rewards)
+    running = torch.zeros(len(first))
+    for row in reversed(range(len(position))):  # rows of an episode are in time order
+        e = position[row]
+        running[e] = step_rewards[row] + gamma * running[e]
+        to_go[row] = running[e]
+    anchors = torch.unique(torch.stack([group_index, anchor_index], dim=1), dim=0, return_inverse=True)[1]
+    step_adv = _normalised(to_go, anchors, eps, norm_adv_by_std)
+    advantages = episode_adv + step_weight * step_adv
+    return _broadcast(advantages, response_mask), _broadcast(to_go, response_mask)
+
+
+def first_rows(episode_index: Tensor) -> tuple[Tensor, Tensor]:
+    """For each row its episode's position among the distinct episodes, and each episode's first row."""
+    _, position = episode_index.unique(return_inverse=True)
+    rows = torch.arange(len(episode_index))
+    first = torch.full((int(position.max()) + 1,), len(episode_index)).scatter_reduce(
+        0, position, rows, "amin"
+    )
+    return position, first
+
+
+def _normalised(scores: Tensor, group_index: Tensor, eps: float, by_std: bool) -> Tensor:
+    """GRPO's per-group (s − mean) / (std + eps), or only s − mean; 0 for a group of one or of equals."""
+    token_scores = scores[:, None]
+    adv = grpo(token_scores, torch.ones_like(token_scores), group_index, eps=eps, norm_adv_by_std=by_std)[0]
+    return adv[:, 0]

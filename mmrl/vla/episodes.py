@@ -3,11 +3,13 @@
 A decision is one response of `tokenizer.n_tokens` action tokens to one frame. The batch that comes
 back has a row per decision, each pointing at its own prompt (its frame), plus `episode_index`
 and `group_index` columns: episodes that started from the same seed form a group, as the n
-responses to one prompt do in GRPO on text.
+responses to one prompt do in GRPO on text. Step-level estimators (GiGPO) also get each decision's
+own reward (`step_rewards`) and `anchor_index`: equal for decisions that saw the same prompt.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -18,6 +20,7 @@ import torch
 from envs.actions import ActionTokenizer, InvalidAction
 from envs.vector import VectorEnv
 from mmrl.batch import Batch, concat
+from mmrl.data import PromptSample
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.base import RolloutEngine
 from mmrl.vla.observations import ObservationPrompts
@@ -71,14 +74,16 @@ def run_episodes(
     frames: list[list[np.ndarray]] = [[obs[i]["image"]] for i in range(min(record, n))]
     recent = [deque([o["image"]] * prompts.history, maxlen=prompts.history) for o in obs]
     params = replace(params, n=1, max_new_tokens=tokenizer.n_tokens)
-    parts = []
+    parts, step_rewards, anchors = [], [], []
+    anchor_ids: dict[bytes, int] = {}
     while live.any():
         idx = np.flatnonzero(live).tolist()
-        out = engine.generate(
-            prompts([obs[i] for i in idx], row_ids=idx, frames=[list(recent[i]) for i in idx]), params
-        )
+        samples = prompts([obs[i] for i in idx], row_ids=idx, frames=[list(recent[i]) for i in idx])
+        out = engine.generate(samples, params)
         out.set(episode_index=torch.tensor(idx), truncated=torch.zeros(len(idx), dtype=torch.bool))
         parts.append(out)
+        anchors += [anchor_ids.setdefault(_state_key(s), len(anchor_ids)) for s in samples]
+        before = returns[idx].copy()
         chunks: list[np.ndarray | None] = [None] * n
         for row, i in enumerate(idx):
             ids = out["response_ids"][row][out["response_mask"][row].bool()].tolist()
@@ -102,9 +107,15 @@ def run_episodes(
                     frames[i].append(obs[i]["image"])
                 if terminated or truncated:
                     live[i], success[i] = False, bool(info["success"])
+        step_rewards.append(returns[idx] - before)
     batch = concat(parts)
     episode = batch["episode_index"]
-    batch.set(group_index=episode // group_size, scores=torch.tensor(returns, dtype=torch.float32)[episode])
+    batch.set(
+        group_index=episode // group_size,
+        scores=torch.tensor(returns, dtype=torch.float32)[episode],
+        step_rewards=torch.tensor(np.concatenate(step_rewards), dtype=torch.float32),
+        anchor_index=torch.tensor(anchors),
+    )
     return Episodes(
         batch=batch,
         returns=torch.tensor(returns, dtype=torch.float32),
@@ -113,3 +124,11 @@ def run_episodes(
         invalid=invalid,
         frames=frames,
     )
+
+
+def _state_key(sample: PromptSample) -> bytes:
+    """What makes two decisions' states equal: the same prompt text and the same pixels."""
+    digest = hashlib.blake2b(sample.prompt_text.encode(), digest_size=16)
+    if sample.pixel_values is not None:
+        digest.update(sample.pixel_values.numpy().tobytes())
+    return digest.digest()

@@ -40,14 +40,22 @@ def load_action_tokenizer(folder: str | Path) -> ActionTokenizer | None:
     return ActionTokenizer.from_dict(json.loads(path.read_text())) if path.exists() else None
 
 
-def demo_steps(demos: list[Demo], tokenizer: ActionTokenizer) -> list[tuple[Demo, int, list[int]]]:
+def demo_labels(demo: Demo, labels: str = "executed") -> np.ndarray:
+    """The actions a demo teaches: those it executed, or the expert's noise-free ones (`sft.labels`)."""
+    return demo.expert_actions if labels == "expert" else demo.actions
+
+
+def demo_steps(
+    demos: list[Demo], tokenizer: ActionTokenizer, labels: str = "executed"
+) -> list[tuple[Demo, int, list[int]]]:
     """(demo, t, target ids) for every decision: the chunk of actions starting at step t, the last
     action repeated where the episode ends inside a chunk."""
     steps = []
     for demo in demos:
-        for t in range(0, len(demo.actions), tokenizer.chunk):
-            rows = np.minimum(np.arange(t, t + tokenizer.chunk), len(demo.actions) - 1)
-            steps.append((demo, t, tokenizer.encode(demo.actions[rows])))
+        actions = demo_labels(demo, labels)
+        for t in range(0, len(actions), tokenizer.chunk):
+            rows = np.minimum(np.arange(t, t + tokenizer.chunk), len(actions) - 1)
+            steps.append((demo, t, tokenizer.encode(actions[rows])))
     return steps
 
 
@@ -119,14 +127,14 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             used[0].actions.shape[1],
             n_bins=env.n_bins,
             chunk=env.chunk,
-            stats=ActionStats.from_demos([d.actions for d in used]),
+            stats=ActionStats.from_demos([demo_labels(d, sft.labels) for d in used]),
         )
         processor = load_processor(sft.base_model)
         model = load_policy(sft.base_model, torch.float32, "cpu")
         losses = behaviour_clone(
             model,
             ObservationPrompts(processor, image_budget(cfg.data, model_config), env.prompt, env.history),
-            demo_steps(used, tokenizer),
+            demo_steps(used, tokenizer, sft.labels),
             updates=sft.steps,
             lr=sft.lr,
             batch_size=sft.batch_size,

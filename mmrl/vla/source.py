@@ -15,7 +15,7 @@ import torch
 
 from envs.actions import ActionTokenizer
 from envs.vector import LocalEnvs, VectorEnv
-from mmrl.algorithms import get_advantage_estimator, informative_groups
+from mmrl.algorithms import first_rows, get_advantage_estimator, informative_groups
 from mmrl.batch import Batch
 from mmrl.checkpoint import rng_devices
 from mmrl.config import Config, ConfigError
@@ -130,9 +130,10 @@ class EpisodeSource:
         self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.cfg.algorithm
-        return episode_advantages(
-            self.estimator, batch, norm_adv_by_std=a.norm_adv_by_std, gamma=a.gamma, lam=a.lam
-        )
+        options = {"norm_adv_by_std": a.norm_adv_by_std, "gamma": a.gamma, "lam": a.lam}
+        if a.adv_estimator == "gigpo":
+            return step_advantages(self.estimator, batch, step_weight=a.step_weight, **options)
+        return episode_advantages(self.estimator, batch, **options)
 
     def update_plan(self, batch: Batch) -> list[MiniBatch]:
         """`data.train_batch_size / actor.mini_batch_size` optimizer steps per epoch over the decisions."""
@@ -183,18 +184,24 @@ def episode_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[to
 
     Normalising over episodes rather than decisions keeps a long failed episode from outweighing a
     short successful one in its group's mean and std."""
-    position, first = _first_rows(batch["episode_index"])
+    position, first = first_rows(batch["episode_index"])
     returns = batch["scores"][first][:, None]
     advantages, targets = estimator(returns, torch.ones_like(returns), batch["group_index"][first], **options)
     mask = batch["response_mask"].float()
     return advantages[position] * mask, targets[position] * mask
 
 
-def _first_rows(episode_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row its episode's position among the distinct episodes, and each episode's first row."""
-    _, position = episode_index.unique(return_inverse=True)
-    rows = torch.arange(len(episode_index))
-    first = torch.full((int(position.max()) + 1,), len(episode_index)).scatter_reduce(
-        0, position, rows, "amin"
+def step_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decision-level advantages (GiGPO): `estimator` over every decision with its own reward, its
+    episode and its state, then each decision's value on all of its action tokens."""
+    rewards = batch["step_rewards"][:, None]
+    advantages, targets = estimator(
+        rewards,
+        torch.ones_like(rewards),
+        batch["group_index"],
+        episode_index=batch["episode_index"],
+        anchor_index=batch["anchor_index"],
+        **options,
     )
-    return position, first
+    mask = batch["response_mask"].float()
+    return advantages * mask, targets * mask
