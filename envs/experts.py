@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import Env
+from envs.gridnav import GridNavEnv, gridnav_expert
 from envs.metaworld import MetaWorldEnv, metaworld_expert
 from envs.push import PushEnv
 from envs.reach import ELBOW_LIMIT, LINK, TOUCH, ReachEnv, forward_kinematics
@@ -180,6 +181,7 @@ EXPERTS: dict[type[Env], ScriptedExpert] = {
     ReachEnv: ScriptedExpert(reach_expert, default_noise=3.0),
     PushEnv: ScriptedExpert(push_expert, default_noise=1.0),
     MetaWorldEnv: ScriptedExpert(metaworld_expert, default_noise=METAWORLD_NOISE),
+    GridNavEnv: ScriptedExpert(gridnav_expert, default_noise=1.5),
 }
 
 

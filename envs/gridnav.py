@@ -1,0 +1,173 @@
+"""gridnav: walk a square through a small walled grid to the cell of the named colour.
+
+Why this task: it is the smallest visual game whose states repeat. An agent that steps into a wall
+stays where it was, and two episodes from one start meet the same cells again, so step-level credit
+(GiGPO) has identical states to compare, as in the grid puzzles of verl-agent and VAGEN. It draws
+with numpy alone: no simulator, thousands of steps a second.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from envs.base import Env, Info, Obs, StepResult
+
+__all__ = ["MOVES", "GridNavEnv", "action_move", "gridnav_expert"]
+
+MOVES: dict[str, tuple[int, int]] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+_DEAD_ZONE = 0.25  # |a| below this on both axes: stay put
+_FLOOR, _WALL, _AGENT = (225, 225, 225), (70, 70, 70), (30, 70, 230)
+_GOALS: dict[str, tuple[int, int, int]] = {"green": (30, 170, 30), "red": (215, 30, 30)}
+
+
+class GridNavEnv(Env):
+    """Action: 2-D in [-1, 1]; the axis with the larger magnitude picks the move, its sign the
+    direction (x: right/left, y: down/up), and a small action on both axes stays put. The scene: a
+    `size` x `size` grid with `walls` wall cells, the agent (blue), the goal cell of the named colour
+    and a decoy of the other colour. Success: the agent on the goal; stepping on the decoy ends the
+    episode as a failure. Reward: 1 on success, plus `shaping` times the decrease in shortest-path
+    distance. State: the agent's row and column, scaled to [0, 1]."""
+
+    action_dim = 2
+
+    def __init__(
+        self,
+        *,
+        image_size: int = 60,
+        size: int = 5,
+        walls: int = 4,
+        max_steps: int = 12,
+        shaping: float = 0.0,
+    ) -> None:
+        if size < 3 or not 0 <= walls <= size * size - 3:
+            raise ValueError(f"gridnav needs size >= 3 and 0 <= walls <= size^2 - 3, got {size}, {walls}")
+        if image_size < size:
+            raise ValueError(f"image_size {image_size} cannot draw a {size}x{size} grid")
+        self.image_size, self.size, self.n_walls = image_size, size, walls
+        self.max_steps, self.shaping = max_steps, float(shaping)
+        self._rng = np.random.default_rng()
+        self._edges = np.linspace(0, image_size, size + 1).round().astype(int)
+        self._done = True
+        self.walls: set[tuple[int, int]] = set()
+        self.agent = self.goal = self.decoy = (0, 0)
+        self.goal_colour = "green"
+        self._steps = 0
+        self._distance = 0
+
+    def reset(self, seed: int | None = None) -> tuple[Obs, Info]:
+        """A new layout from ``seed``: walls, start, goal and decoy, the goal reachable in 2+ moves."""
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        rng = self._rng
+        cells = [(r, c) for r in range(self.size) for c in range(self.size)]
+        while True:  # rejection sampling: most draws are valid
+            picked = rng.permutation(len(cells))[: self.n_walls + 3]
+            *walls, agent, goal, decoy = (cells[i] for i in picked)
+            self.place(set(walls), agent, goal, decoy)
+            if 2 <= self._distance < len(cells):
+                break
+        self.goal_colour = str(rng.choice(list(_GOALS)))
+        return self._observe(), {"success": False, "distance": float(self._distance)}
+
+    def place(
+        self,
+        walls: set[tuple[int, int]],
+        agent: tuple[int, int],
+        goal: tuple[int, int],
+        decoy: tuple[int, int],
+    ) -> None:
+        """Set the layout (cells as (row, column)) and start a new episode on it; reset() draws one."""
+        self.walls, self.agent, self.goal, self.decoy = walls, agent, goal, decoy
+        self._steps, self._done, self._distance = 0, False, self.goal_distance()
+
+    def step(self, action: np.ndarray) -> StepResult:
+        a = self._checked_action(action, self._done)
+        move = action_move(a)
+        if move is not None:
+            dr, dc = MOVES[move]
+            cell = (self.agent[0] + dr, self.agent[1] + dc)
+            if self._free(cell):
+                self.agent = cell
+        self._steps += 1
+        success = self.agent == self.goal
+        failure = "stepped on the decoy" if self.agent == self.decoy else None
+        distance = self.goal_distance()
+        reward = float(success) + self.shaping * (self._distance - distance)
+        self._distance = distance
+        terminated = success or failure is not None
+        truncated = not terminated and self._steps >= self.max_steps
+        self._done = terminated or truncated
+        info: Info = {"success": success, "distance": float(distance)}
+        if failure is not None:
+            info["failure"] = failure
+        return self._observe(), reward, terminated, truncated, info
+
+    def goal_distance(self) -> int:
+        """Moves on the shortest path from the agent to the goal, around walls and the decoy."""
+        return self.distances()[self.agent]
+
+    def distances(self) -> dict[tuple[int, int], int]:
+        """Shortest-path moves to the goal from every cell that can reach it (breadth-first)."""
+        found, queue = {self.goal: 0}, deque([self.goal])
+        while queue:
+            cell = queue.popleft()
+            for dr, dc in MOVES.values():
+                nxt = (cell[0] + dr, cell[1] + dc)
+                if nxt not in found and self.passable(nxt):
+                    found[nxt] = found[cell] + 1
+                    queue.append(nxt)
+        unreachable = self.size * self.size
+        return {(r, c): found.get((r, c), unreachable) for r in range(self.size) for c in range(self.size)}
+
+    def render(self) -> np.ndarray:
+        frame = np.empty((self.image_size, self.image_size, 3), np.uint8)
+        frame[:] = _FLOOR
+        for cell, colour in [
+            *((w, _WALL) for w in self.walls),
+            (self.goal, _GOALS[self.goal_colour]),
+            (self.decoy, next(v for k, v in _GOALS.items() if k != self.goal_colour)),
+        ]:
+            frame[self._box(cell)] = colour
+        r0, r1 = self._edges[self.agent[0]], self._edges[self.agent[0] + 1]
+        c0, c1 = self._edges[self.agent[1]], self._edges[self.agent[1] + 1]
+        inset = max(1, (r1 - r0) // 5)
+        frame[r0 + inset : r1 - inset, c0 + inset : c1 - inset] = _AGENT
+        return frame
+
+    def _box(self, cell: tuple[int, int]) -> tuple[slice, slice]:
+        r, c = cell
+        return slice(self._edges[r], self._edges[r + 1]), slice(self._edges[c], self._edges[c + 1])
+
+    def _free(self, cell: tuple[int, int]) -> bool:
+        return 0 <= cell[0] < self.size and 0 <= cell[1] < self.size and cell not in self.walls
+
+    def passable(self, cell: tuple[int, int]) -> bool:
+        """Inside the grid, not a wall, not the decoy: where a path to the goal may go."""
+        return self._free(cell) and cell != self.decoy
+
+    def _observe(self) -> Obs:
+        state = np.array(self.agent, dtype=np.float32) / (self.size - 1)
+        return {"image": self.render(), "instruction": f"go to the {self.goal_colour} square", "state": state}
+
+
+def action_move(action: np.ndarray) -> str | None:
+    """The move a 2-D action in [-1, 1] stands for, or None to stay put."""
+    x, y = float(action[0]), float(action[1])
+    if max(abs(x), abs(y)) < _DEAD_ZONE:
+        return None
+    if abs(x) >= abs(y):
+        return "right" if x > 0 else "left"
+    return "down" if y > 0 else "up"
+
+
+def gridnav_expert(env: GridNavEnv) -> np.ndarray:
+    """A shortest-path move as an action: +-1 on the move's axis (ties broken by `MOVES` order)."""
+    distances = env.distances()
+    best, best_distance = np.zeros(2), distances[env.agent]
+    for dr, dc in MOVES.values():
+        cell = (env.agent[0] + dr, env.agent[1] + dc)
+        if env.passable(cell) and distances[cell] < best_distance:
+            best_distance, best = distances[cell], np.array([dc, dr], dtype=float)  # x is the column
+    return best
