@@ -26,7 +26,7 @@ from mmrl.trainer import Trainer
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts, frame_history
-from mmrl.vla.sft import demo_steps
+from mmrl.vla.sft import demo_steps, label_prior_loss
 from mmrl.vla.source import episode_advantages, step_advantages, train_seeds
 from processors import PixelBudget
 
@@ -162,6 +162,12 @@ def test_gigpo_over_episodes_credits_the_decision_that_differed_from_a_shared_st
     )
     assert torch.allclose(advantages[:, 0], torch.tensor([1.0, 0.5, -1.0, -0.5]))
     assert torch.allclose(to_go[:, 1], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def test_label_prior_loss_is_the_per_position_entropy_of_the_labels() -> None:
+    # position 0: ids 1, 1, 2, 2 (ln 2); position 1: 5, 5, 5, 5 (0) -> mean ln 2 / 2
+    assert label_prior_loss([[1, 5], [1, 5], [2, 5], [2, 5]]) == pytest.approx(math.log(2) / 2)
+    assert label_prior_loss([[3, 4]] * 5) == 0.0
 
 
 def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:

@@ -131,10 +131,11 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         )
         processor = load_processor(sft.base_model)
         model = load_policy(sft.base_model, torch.float32, "cpu")
+        steps = demo_steps(used, tokenizer, sft.labels)
         losses = behaviour_clone(
             model,
             ObservationPrompts(processor, image_budget(cfg.data, model_config), env.prompt, env.history),
-            demo_steps(used, tokenizer, sft.labels),
+            steps,
             updates=sft.steps,
             lr=sft.lr,
             batch_size=sft.batch_size,
@@ -145,18 +146,37 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, processor, out)
     save_action_tokenizer(tokenizer, out)
+    prior = label_prior_loss([ids for *_, ids in steps])
     report = {
         "demos": len(demos),
         "demo_success": rate,
         "cloned_demos": len(used),
         "loss": [losses[0], losses[-1]],
+        "label_prior_loss": prior,
     }
     (out / "sft_report.json").write_text(json.dumps(report, indent=1))
     console.print(
         f"cloned {len(used)} of {len(demos)} expert demos (expert success {rate:.0%}); "
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; policy written to {out}"
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (label prior {prior:.3f}); policy written to {out}"
     )
+    if losses[-1] > 0.95 * prior:
+        console.print(
+            "[yellow]the clone predicts actions hardly better than their overall frequencies: it has "
+            "not yet learned to read its observations. Clone longer (sft.steps), or give the model "
+            "more visual tokens (data.max_pixels).[/yellow]"
+        )
     return out
+
+
+def label_prior_loss(targets: list[list[int]]) -> float:
+    """The loss of a policy that ignores its observations: the entropy of each action-token position's
+    label frequencies, averaged over positions. A clone's loss near it has learned nothing from frames."""
+    ids = np.asarray(targets)
+    entropies = []
+    for column in ids.T:
+        p = np.unique(column, return_counts=True)[1] / len(column)
+        entropies.append(float(-(p * np.log(p)).sum()))
+    return float(np.mean(entropies))
 
 
 def _progress(console: Console) -> Progress:
