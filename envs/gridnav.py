@@ -28,7 +28,11 @@ class GridNavEnv(Env):
     `size` x `size` grid with `walls` wall cells, the agent (blue), the goal cell of the named colour
     and a decoy of the other colour. Success: the agent on the goal; stepping on the decoy ends the
     episode as a failure. Reward: 1 on success, plus `shaping` times the decrease in shortest-path
-    distance. State: the agent's row and column, scaled to [0, 1]."""
+    distance. State: the agent's row and column, scaled to [0, 1].
+
+    `view="top"` draws the whole grid; `view="agent"` draws the (2·size − 1)² cells around the agent,
+    the agent always in the centre and cells beyond the edge as walls, so where the goal lies in the
+    frame is the way to go (a policy need not relate two positions it must first find)."""
 
     action_dim = 2
 
@@ -40,15 +44,19 @@ class GridNavEnv(Env):
         walls: int = 4,
         max_steps: int = 12,
         shaping: float = 0.0,
+        view: str = "top",
     ) -> None:
         if size < 3 or not 0 <= walls <= size * size - 3:
             raise ValueError(f"gridnav needs size >= 3 and 0 <= walls <= size^2 - 3, got {size}, {walls}")
-        if image_size < size:
-            raise ValueError(f"image_size {image_size} cannot draw a {size}x{size} grid")
-        self.image_size, self.size, self.n_walls = image_size, size, walls
+        if view not in ("top", "agent"):
+            raise ValueError(f"gridnav view must be 'top' or 'agent', got {view!r}")
+        shown = size if view == "top" else 2 * size - 1
+        if image_size < shown:
+            raise ValueError(f"image_size {image_size} cannot draw {shown}x{shown} cells")
+        self.image_size, self.size, self.n_walls, self.view = image_size, size, walls, view
         self.max_steps, self.shaping = max_steps, float(shaping)
         self._rng = np.random.default_rng()
-        self._edges = np.linspace(0, image_size, size + 1).round().astype(int)
+        self._edges = np.linspace(0, image_size, shown + 1).round().astype(int)
         self._done = True
         self.walls: set[tuple[int, int]] = set()
         self.agent = self.goal = self.decoy = (0, 0)
@@ -122,21 +130,30 @@ class GridNavEnv(Env):
         return {(r, c): found.get((r, c), unreachable) for r in range(self.size) for c in range(self.size)}
 
     def render(self) -> np.ndarray:
+        # the frame's cell (0, 0) is grid cell `origin`: the grid's corner, or size - 1 up-left of the agent
+        origin = (
+            (0, 0) if self.view == "top" else (self.agent[0] - self.size + 1, self.agent[1] - self.size + 1)
+        )
+        shown = len(self._edges) - 1
         frame = np.empty((self.image_size, self.image_size, 3), np.uint8)
         frame[:] = _FLOOR
-        for cell, colour in [
-            *((w, _WALL) for w in self.walls),
-            (self.goal, _GOALS[self.goal_colour]),
-            (self.decoy, next(v for k, v in _GOALS.items() if k != self.goal_colour)),
-        ]:
-            frame[self._box(cell)] = colour
-        r0, r1 = self._edges[self.agent[0]], self._edges[self.agent[0] + 1]
-        c0, c1 = self._edges[self.agent[1]], self._edges[self.agent[1] + 1]
+        decoy = next(v for k, v in _GOALS.items() if k != self.goal_colour)
+        for r in range(shown):
+            for c in range(shown):
+                cell = (origin[0] + r, origin[1] + c)
+                colour = {self.goal: _GOALS[self.goal_colour], self.decoy: decoy}.get(cell)
+                if not self._free(cell):
+                    colour = _WALL
+                if colour is not None:
+                    frame[self._box((r, c))] = colour
+        r, c = self.agent[0] - origin[0], self.agent[1] - origin[1]
+        (r0, r1), (c0, c1) = self._edges[[r, r + 1]], self._edges[[c, c + 1]]
         inset = max(1, (r1 - r0) // 5)
         frame[r0 + inset : r1 - inset, c0 + inset : c1 - inset] = _AGENT
         return frame
 
     def _box(self, cell: tuple[int, int]) -> tuple[slice, slice]:
+        """The pixels of the frame's cell (row, column)."""
         r, c = cell
         return slice(self._edges[r], self._edges[r + 1]), slice(self._edges[c], self._edges[c + 1])
 

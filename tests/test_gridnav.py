@@ -98,3 +98,18 @@ def test_the_expert_walks_shortest_paths_and_its_noise_makes_it_imperfect() -> N
         assert expert_action(env, rng, noise=0.0).shape == (2,)
     rate = np.mean([d.success for d in collect_demos("gridnav", 100)])
     assert 0.3 <= rate <= 0.6, f"expert success {rate:.2f} at default noise"
+
+
+def test_the_agent_view_centres_the_agent_and_walls_off_the_world_beyond_the_grid() -> None:
+    env = GridNavEnv(image_size=45, size=5, walls=0, view="agent")  # 9 x 9 cells of 5 px
+    env.reset(seed=0)
+    env.place(set(), agent=(0, 0), goal=(0, 2), decoy=(4, 4))
+    frame = env.render()
+    at = lambda r, c: frame[r * 5 + 2, c * 5 + 2].tolist()  # noqa: E731 (a frame cell's centre)
+    goal, decoy = ([30, 170, 30], [215, 30, 30])[:: 1 if env.goal_colour == "green" else -1]
+    assert at(4, 4) == [30, 70, 230]  # the agent, in the centre
+    assert at(4, 6) == goal and at(8, 8) == decoy  # two cells right; four down and right
+    assert at(3, 4) == [70, 70, 70] and at(4, 3) == [70, 70, 70]  # beyond the top and left edges
+    env.step(np.array(ACTION["right"]))
+    frame = env.render()
+    assert at(4, 5) == goal and at(3, 5) == [70, 70, 70]  # the goal now one cell right
