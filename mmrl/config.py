@@ -416,6 +416,9 @@ class SftConfig(_Section):
     steps: int = Field(300, gt=0)
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, gt=0)
+    max_grad_norm: float | None = Field(
+        None, gt=0, description="Clip each step's gradient norm; None: no clipping"
+    )
 
 
 class TrainerConfig(_Section):

@@ -19,8 +19,10 @@ def supervised_step(
     rows: list[int],
     responses: list[list[int]],
     pad_id: int,
+    max_grad_norm: float | None = None,
 ) -> float:
-    """Mean token negative log-likelihood of `responses[i]` after prompt `prompts[rows[i]]`; one step."""
+    """Mean token negative log-likelihood of `responses[i]` after prompt `prompts[rows[i]]`; one step,
+    its gradient clipped to `max_grad_norm` when given."""
     width = max(map(len, responses))
     response = torch.full((len(responses), width), pad_id)
     mask = torch.zeros((len(responses), width), dtype=torch.long)
@@ -36,5 +38,7 @@ def supervised_step(
     loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return float(loss.detach())

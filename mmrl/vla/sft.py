@@ -69,6 +69,7 @@ def behaviour_clone(
     batch_size: int,
     seed: int,
     pad_id: int,
+    max_grad_norm: float | None = None,
     progress: Progress | None = None,
 ) -> list[float]:
     """`updates` AdamW steps of cross-entropy on random mini-batches of demo decisions; the losses."""
@@ -87,7 +88,13 @@ def behaviour_clone(
         )
         losses.append(
             supervised_step(
-                model, optimizer, samples, list(range(len(picked))), [ids for *_, ids in picked], pad_id
+                model,
+                optimizer,
+                samples,
+                list(range(len(picked))),
+                [ids for *_, ids in picked],
+                pad_id,
+                max_grad_norm,
             )
         )
         if progress is not None and task is not None:
@@ -141,6 +148,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             batch_size=sft.batch_size,
             seed=cfg.trainer.seed,
             pad_id=processor.tokenizer.pad_token_id,
+            max_grad_norm=sft.max_grad_norm,
             progress=progress,
         )
     out.mkdir(parents=True, exist_ok=True)
