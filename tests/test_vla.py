@@ -22,6 +22,7 @@ from mmrl.config import ConfigError, load_config
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
+from mmrl.supervised import supervised_step
 from mmrl.trainer import Trainer
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
@@ -162,6 +163,21 @@ def test_gigpo_over_episodes_credits_the_decision_that_differed_from_a_shared_st
     )
     assert torch.allclose(advantages[:, 0], torch.tensor([1.0, 0.5, -1.0, -0.5]))
     assert torch.allclose(to_go[:, 1], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def test_clipped_cloning_steps_move_the_weights_no_further_than_the_clip(tiny_model_dir) -> None:
+    # Plain SGD at lr 1: the step is the (clipped) gradient itself, so its norm is the clip.
+    processor = load_processor(tiny_model_dir)
+    frame = {"image": np.full((56, 56, 3), 90, np.uint8), "instruction": "touch the red ball"}
+    samples = ObservationPrompts(processor, BUDGET)([frame])
+    moved = []
+    for clip in (None, 1e-3):
+        model = load_policy(tiny_model_dir, torch.float32, "cpu")
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        supervised_step(model, optimizer, samples, [0], [[5, 6]], processor.tokenizer.pad_token_id, clip)
+        moved.append(float((torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm()))
+    assert moved[0] > 1e-2 and moved[1] == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_label_prior_loss_is_the_per_position_entropy_of_the_labels() -> None:
