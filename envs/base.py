@@ -58,6 +58,26 @@ class Env(ABC):
             raise ValueError(f"action must be finite, got {a}")
         return np.clip(a, -1.0, 1.0)
 
+    def _outcome(
+        self,
+        success: bool,
+        failure: str | None,
+        distance: float,
+        last_distance: float,
+        shaping: float,
+        steps: int,
+    ) -> tuple[float, bool, bool, Info]:
+        """Reward, terminated, truncated and info of a step, as the built-in tasks score it: 1 on the step
+        that succeeds plus ``shaping`` times the decrease in distance to the goal; success or a failure
+        reason ends the episode, ``max_steps`` truncates it."""
+        reward = float(success) + shaping * (last_distance - distance)
+        terminated = success or failure is not None
+        truncated = not terminated and steps >= self.max_steps
+        info: Info = {"success": success, "distance": float(distance)}
+        if failure is not None:
+            info["failure"] = failure
+        return reward, terminated, truncated, info
+
     def close(self) -> None:
         """Release renderers, processes or sockets; a no-op unless the simulator holds any."""
         return None

@@ -102,14 +102,10 @@ class GridNavEnv(Env):
         success = self.agent == self.goal
         failure = "stepped on the decoy" if self.agent == self.decoy else None
         distance = self.goal_distance()
-        reward = float(success) + self.shaping * (self._distance - distance)
-        self._distance = distance
-        terminated = success or failure is not None
-        truncated = not terminated and self._steps >= self.max_steps
-        self._done = terminated or truncated
-        info: Info = {"success": success, "distance": float(distance)}
-        if failure is not None:
-            info["failure"] = failure
+        reward, terminated, truncated, info = self._outcome(
+            success, failure, distance, self._distance, self.shaping, self._steps
+        )
+        self._distance, self._done = distance, terminated or truncated
         return self._observe(), reward, terminated, truncated, info
 
     def goal_distance(self) -> int:
@@ -138,10 +134,11 @@ class GridNavEnv(Env):
         frame = np.empty((self.image_size, self.image_size, 3), np.uint8)
         frame[:] = _FLOOR
         decoy = next(v for k, v in _GOALS.items() if k != self.goal_colour)
+        marked = {self.goal: _GOALS[self.goal_colour], self.decoy: decoy}
         for r in range(shown):
             for c in range(shown):
                 cell = (origin[0] + r, origin[1] + c)
-                colour = {self.goal: _GOALS[self.goal_colour], self.decoy: decoy}.get(cell)
+                colour = marked.get(cell)
                 if not self._free(cell):
                     colour = _WALL
                 if colour is not None:

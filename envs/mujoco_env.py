@@ -125,14 +125,10 @@ class MujocoEnv(Env):
         success = self._success()
         failure = None if success else self._failure()
         distance = self.goal_distance()
-        reward = float(success) + self.shaping * (self._distance - distance)
-        self._distance = distance
-        terminated = success or failure is not None
-        truncated = not terminated and self._steps >= self.max_steps
-        self._done = terminated or truncated
-        info: Info = {"success": success, "distance": distance}
-        if failure is not None:
-            info["failure"] = failure
+        reward, terminated, truncated, info = self._outcome(
+            success, failure, distance, self._distance, self.shaping, self._steps
+        )
+        self._distance, self._done = distance, terminated or truncated
         return self._observe(), reward, terminated, truncated, info
 
     def close(self) -> None:
