@@ -211,7 +211,6 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
     checkpoint."""
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
-    from mmrl.warmup import format_warmup
 
     if args.shape in SIZES and not (root / "tiny-model" / "config.json").exists():
         build_realistic(root / "tiny-model", args.image_size, args.eos_scale, *SIZES[args.shape])
@@ -229,8 +228,7 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
             ],
         )
         trainer = Trainer(cfg)
-        samples = trainer.source.warmup_samples(limit=512)
-        losses = format_warmup(trainer.model, trainer.processor.tokenizer, samples, cfg.warmup, args.seed)
+        losses = trainer.source.warmup(trainer.model, trainer.processor.tokenizer, args.seed)
         trainer.model.save_pretrained(start)
         trainer.logger.close()
         trainer.source.close()

@@ -73,7 +73,7 @@ def response_hidden(
     prompt_ids, prompt_mask = left_pad([p.prompt_ids for p in prompts], pad_id)
     response = batch["response_ids"]
     input_ids = torch.cat([prompt_ids, response], dim=1)
-    attention = torch.cat([prompt_mask, batch["response_mask"].long()], dim=1)
+    attention = torch.cat([prompt_mask, batch.attention.long()], dim=1)
     rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
     positions = family.position_ids(prompts, input_ids, attention, rules)
     media = {

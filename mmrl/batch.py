@@ -55,6 +55,12 @@ class Batch:
             tensors=tensors, lists=dict(self.lists), prompts=[self.prompts[i] for i in used.tolist()]
         )
 
+    @property
+    def attention(self) -> torch.Tensor:
+        """(rows, response tokens): which response tokens exist. Only the policy's own tokens train
+        (`response_mask`); a multi-turn row also holds tool responses between them (`mmrl.agent`)."""
+        return self.tensors.get("response_attention", self.tensors["response_mask"])
+
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of at most `size` rows."""
         return [self.select(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]

@@ -366,6 +366,12 @@ class WarmupConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(32, gt=0)
     target_template: str = "<answer>{answer}</answer>"
+    turns: list[str] | None = Field(
+        None,
+        description="Agent runs: the assistant turns of each warm-up trajectory, in order; their tool calls "
+        "run for real. {answer} is a shuffled answer, and each {key} of `fill` one of its values at random",
+    )
+    fill: dict[str, list[str]] = Field({}, description="Values drawn at random for `turns`' {key}s")
 
 
 class EnvConfig(_Section):
@@ -398,6 +404,34 @@ class EnvConfig(_Section):
     val_episodes: int = Field(50, ge=0, description="Greedy evaluation episodes at each validation")
     val_seed: int = Field(1_000_000, ge=0, description="First evaluation seed; training seeds stay below it")
     media_episodes: int = Field(4, ge=0, description="Evaluation episodes drawn into each validation GIF")
+
+
+class ToolConfig(_Section):
+    """One tool: a built-in (`image_zoom`, `calculator`) or `path/to/file.py:function`."""
+
+    function: str = Field(description="A built-in tool name or path/to/file.py:function")
+    name: str | None = Field(None, description="The name the model calls it by; default: the function's")
+    description: str | None = Field(None, description="What the model is told it does")
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON schema of its arguments (built-ins bring their own)"
+    )
+    kwargs: dict[str, Any] = Field(
+        {}, description="Fixed keyword arguments the model does not see, e.g. image_zoom's frame: norm1000"
+    )
+
+
+class AgentConfig(_Section):
+    """Multi-turn rollouts with tool calls (`mmrl.agent`): each prompt's answer may call tools, whose
+    results (text or images) come back as the next turn, until an answer or a limit."""
+
+    tools: list[ToolConfig] = Field(min_length=1)
+    max_turns: int = Field(4, gt=0, description="Assistant turns per trajectory")
+    max_tokens: int = Field(4096, gt=0, description="Tokens per trajectory: the prompt and every turn")
+    max_images: int = Field(8, gt=0, description="Images per trajectory: the prompt's and the tools'")
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="Per call of a tool from a file, before it is killed"
+    )
+    tool_workers: int = Field(2, gt=0, description="Worker processes for tools from files")
 
 
 class SftConfig(_Section):
@@ -481,6 +515,7 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     env: EnvConfig | None = None
     sft: SftConfig | None = None
+    agent: AgentConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -488,6 +523,8 @@ class Config(_Section):
             raise ValueError("data.train_files is required: name the training data (or add an env section)")
         if self.env is not None:
             self._check_env_supported()
+        if self.agent is not None:
+            self._check_agent_supported()
         elif self.algorithm.adv_estimator == "gigpo":
             raise ValueError(
                 "algorithm.adv_estimator=gigpo compares decisions made from the same state across the "
@@ -560,6 +597,19 @@ class Config(_Section):
         hit = [name for name, bad in refused.items() if bad]
         if hit:
             raise ValueError(f"an env section (VLA episodes) does not combine with {'; '.join(hit)}")
+
+    def _check_agent_supported(self) -> None:
+        refused = {
+            "an env section": self.env is not None,
+            "rollout.max_staleness > 0 (agent rollouts run in the trainer's process)": self.rollout.max_staleness
+            > 0,
+            "algorithm.adv_estimator remax": self.algorithm.adv_estimator == "remax",
+        }
+        hit = [name for name, bad in refused.items() if bad]
+        if hit:
+            raise ValueError(
+                f"an agent section (multi-turn tool calls) does not combine with {'; '.join(hit)}"
+            )
 
     def _check_staleness(self) -> None:
         """Overlapped rollouts sample from an older policy, which only a rollout correction accounts for."""

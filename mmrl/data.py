@@ -72,6 +72,7 @@ class PromptSample:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None  # seconds per temporal patch, one per video
+    originals: list[Image.Image] = field(default_factory=list)  # full-size images, kept for image tools
 
 
 def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:
@@ -245,10 +246,13 @@ class PromptDataset:
         video_budget: VideoBudget | None = None,
         video_processor: Any = None,
         video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
+        tools: Sequence[dict[str, Any]] = (),
+        keep_originals: bool = False,
     ) -> None:
         """`video_placeholder` is the model family's (`Family.video_placeholder`). A text-only
         model's dataset has no image processor and no pixel budget (None). `origin` names the data
-        in messages, e.g. `data.train_files (train.jsonl)`."""
+        in messages, e.g. `data.train_files (train.jsonl)`. `tools` (JSON schemas) are described in
+        every prompt (agent runs); `keep_originals` keeps each image at full size too, for image tools."""
         if data_format not in ("auto", *FORMAT_KEYS):
             raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
         self.format = detect_format(columns_of(rows)) if data_format == "auto" else data_format
@@ -262,6 +266,7 @@ class PromptDataset:
         self.keys = (prompt_key or default_prompt, answer_key or default_answer, image_key)
         self.video_key, self.video_budget, self.video_processor = video_key, video_budget, video_processor
         self.video_placeholder = video_placeholder
+        self.tools, self.keep_originals = list(tools), keep_originals
         self.image_dir = image_dir
         self.system_prompt = system_prompt
         self.template_source = format_prompt
@@ -284,6 +289,8 @@ class PromptDataset:
         video_processor: Any = None,
         video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
         key: str = "train_files",
+        tools: Sequence[dict[str, Any]] = (),
+        keep_originals: bool = False,
     ) -> PromptDataset:
         """The dataset of `files`, data.`key` (train_files or val_files), read and keyed as the `data`
         config section says. Memory-mapped sets of `CHECK_AHEAD_ROWS` or more are checked ahead
@@ -308,6 +315,8 @@ class PromptDataset:
             video_budget=video_budget,
             video_processor=video_processor,
             video_placeholder=video_placeholder,
+            tools=tools,
+            keep_originals=keep_originals,
         )
         dataset.stream = stream
         if stream is None and len(dataset) >= CHECK_AHEAD_ROWS:
@@ -359,6 +368,7 @@ class PromptDataset:
             self.max_prompt_length,
             self.system_prompt,
             self.template_source,
+            json.dumps(self.tools, sort_keys=True),
             self.budget is None,
             getattr(tok, "chat_template", None),
             hashlib.sha256(vocab.encode()).hexdigest(),
@@ -481,7 +491,7 @@ class PromptDataset:
         """The prompt's token ids with `counts` placeholder tokens per image and video (`least`: lower
         bounds, which only tell a prompt that is too long whatever its media's sizes)."""
         try:
-            ids = encode_prompt(self.tokenizer, prompt.messages, counts, video_counts)
+            ids = encode_prompt(self.tokenizer, prompt.messages, counts, video_counts, self.tools)
         except ValueError as err:  # e.g. a literal image-pad token typed into the question
             raise SkipRow("image_marker_mismatch", str(err)) from None
         if len(ids) > self.max_prompt_length:
@@ -512,6 +522,7 @@ class PromptDataset:
                 ImageSize(original=o.size, model_input=f.size) for o, f in zip(images, fitted, strict=True)
             ],
             extra=self._extra(row),
+            originals=images if self.keep_originals else [],
         )
         return with_pixels(sample, videos or [], self.image_processor, self.video_processor)
 

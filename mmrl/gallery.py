@@ -57,6 +57,7 @@ class GalleryItem:
     ground_truth: Any
     reward: float
     components: dict[str, float] = field(default_factory=dict)
+    turns: list[Any] = field(default_factory=list)  # a multi-turn answer's turns (`mmrl.agent.loop.Turn`)
 
 
 def frame_strip(frames: np.ndarray) -> Image.Image:
@@ -71,18 +72,28 @@ def write_gallery(run_dir: Path, step: int, items: list[GalleryItem], metrics: d
     images.mkdir(parents=True, exist_ok=True)
     cards = []
     for i, item in enumerate(items):
-        tags = []
-        for j, image in enumerate(item.images):
-            name = f"{i:04d}_{j}.png"
+        shown = iter(range(10_000))
+
+        def tag(image: Image.Image, i: int = i, shown: Any = shown) -> str:
+            name = f"{i:04d}_{next(shown)}.png"
             image.save(images / name)
-            tags.append(f'<img src="{images.name}/{name}" alt="sample {i} image {j}">')
+            return f'<img src="{images.name}/{name}" alt="sample {i} image {name}">'
+
+        tags = [tag(image) for image in item.images]
         answer = extract_answer(item.response)
+        response = f'<div class="k">response</div><pre>{html.escape(item.response)}</pre>'
+        if item.turns:  # every turn in order: the model's text and tool calls, the tools' text and images
+            response = "".join(
+                f'<div class="k">{"model" if t.role == "assistant" else "tool"} (turn {n})</div>'
+                f"<pre>{html.escape(t.text)}</pre>{''.join(tag(image) for image in t.images)}"
+                for n, t in enumerate(item.turns, start=1)
+            )
         parts = ", ".join(f"{html.escape(k)} {v:.2f}" for k, v in item.components.items())
         verdict = "good" if item.reward > 0.5 else "bad"
         cards.append(
             f'<div class="card {verdict}">{"".join(tags)}'
             f'<div class="k">prompt</div><pre>{html.escape(item.prompt)}</pre>'
-            f'<div class="k">response</div><pre>{html.escape(item.response)}</pre>'
+            f"{response}"
             f'<div class="k">answer / ground truth</div>'
             f"<pre>{html.escape(str(answer))} / {html.escape(str(item.ground_truth))}</pre>"
             f'<div class="k">reward</div><pre>{item.reward:.3f}{" (" + parts + ")" if parts else ""}</pre></div>'

@@ -26,7 +26,7 @@ def row_lengths(batch: Batch) -> list[tuple[int, int]]:
     """(prompt tokens, response tokens) of every row: what its forward computes before padding.
 
     The response counts up to its last valid token, as `micro_batches` cuts it."""
-    responses = _response_lengths(batch["response_mask"])
+    responses = _response_lengths(batch.attention)
     prompts = [len(batch.prompts[i].prompt_ids) for i in batch["prompt_index"].tolist()]
     return list(zip(prompts, responses, strict=True))
 
@@ -135,6 +135,6 @@ def _response_lengths(mask: torch.Tensor) -> list[int]:
 
 def _cut_to_response(micro: Batch) -> Batch:
     width = micro["response_ids"].shape[1]
-    keep = max(_response_lengths(micro["response_mask"]))
+    keep = max(_response_lengths(micro.attention))
     tensors = {k: v[:, :keep] if v.dim() > 1 and v.shape[1] == width else v for k, v in micro.tensors.items()}
     return Batch(tensors=tensors, lists=micro.lists, prompts=micro.prompts)

@@ -33,6 +33,19 @@ def supervised_step(
         tensors={"prompt_index": torch.as_tensor(rows), "response_ids": response, "response_mask": mask},
         prompts=prompts,
     )
+    return supervised_batch_step(model, optimizer, batch, pad_id, max_grad_norm)
+
+
+def supervised_batch_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    pad_id: int,
+    max_grad_norm: float | None = None,
+) -> float:
+    """`supervised_step` on a built batch: only `response_mask` tokens are taught, so a multi-turn row's
+    tool responses are context, not targets (`mmrl.agent`)."""
+    mask = batch["response_mask"]
     model.train()
     logp, _ = forward_logprobs(model, batch, pad_id)
     loss = -(logp * mask.to(logp.device)).sum() / mask.sum()

@@ -39,7 +39,6 @@ from mmrl.rollout.source import RolloutSource, StepContext, source_from_config
 from mmrl.run_lock import RunLock
 from mmrl.stop_signals import RunInterrupted, StopSignals
 from mmrl.timing import PhaseTimer
-from mmrl.warmup import format_warmup
 
 if TYPE_CHECKING:
     from mmrl.workers.group import CriticRole, PolicyGroup
@@ -382,10 +381,7 @@ class Trainer:
         self.console.print(f"resumed from {folder} at step {self.step}{note}")
 
     def _warmup(self, model: Any) -> None:
-        samples = self.source.warmup_samples(limit=512)
-        losses = format_warmup(
-            model, tokenizer_of(self.processor), samples, self.cfg.warmup, self.cfg.trainer.seed
-        )
+        losses = self.source.warmup(model, tokenizer_of(self.processor), self.cfg.trainer.seed)
         # The RL starting point and the KL reference: a complete model folder, for the workers too.
         save_model(model, self.processor, self.run_dir / "warmup_model")
         self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -73,12 +73,22 @@ def encode_prompt(
     messages: list[dict[str, Any]],
     tokens_per_image: Sequence[int],
     tokens_per_video: Sequence[int | str] = (),
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render the chat template and tokenise, expanding each image and video pad to its feature count.
 
     A video's entry is its pad count, or the whole text that replaces its pad where the family puts
-    text between frames (Qwen3-VL's timestamps: `processors.video.timestamped_video_text`)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text between frames (Qwen3-VL's timestamps: `processors.video.timestamped_video_text`). `tools`
+    (JSON schemas) go to the template, which describes them and the call format in the system turn."""
+    extra = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    return expand_pads(tokenizer, text, tokens_per_image, tokens_per_video)
+
+
+def expand_pads(
+    tokenizer: Any, text: str, tokens_per_image: Sequence[int], tokens_per_video: Sequence[int | str] = ()
+) -> list[int]:
+    """Token ids of chat text whose image and video pads are expanded to their feature counts."""
     pieces = re.split(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})", text)
     counts = {IMAGE_PAD: list(tokens_per_image), VIDEO_PAD: list(tokens_per_video)}
     for pad, per_item in counts.items():
@@ -93,3 +103,14 @@ def encode_prompt(
 
 def _expand(pad: str, item: int | str) -> str:
     return item if isinstance(item, str) else pad * item
+
+
+def tool_response_text(parts: Sequence[str | None]) -> str:
+    """The chat text of one tool-result turn after an assistant turn, up to the next assistant turn's
+    header, in the Qwen format every supported family uses: a user turn of `<tool_response>` blocks.
+    `parts` are one result each; None stands for an image (one pad, expanded by `expand_pads`)."""
+    image = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
+    body = "\n".join(
+        f"<tool_response>\n{image if part is None else part}\n</tool_response>" for part in parts
+    )
+    return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"

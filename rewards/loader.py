@@ -11,8 +11,10 @@ import hashlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from rewards.graders import GRADERS
 from rewards.types import RewardFn
@@ -34,12 +36,17 @@ def load_reward_function(spec: str) -> RewardFn:
         if spec in GRADERS:
             return GRADERS[spec]
         raise ValueError(f"unknown reward function {spec!r}.{_unknown_name_hint(spec)}")
-    path, name = parts
+    return load_file_function(spec, "reward")
+
+
+def load_file_function(spec: str, what: str) -> Callable[..., Any]:
+    """The function a `path/to/file.py:function` spec names; `what` (reward, tool) words the errors."""
+    path, name = split_file_spec(spec) or (Path(spec), "")
     if path.suffix != ".py" or not name:
-        raise ValueError(f"reward spec {spec!r} should look like 'path/to/file.py:function_name'")
+        raise ValueError(f"{what} spec {spec!r} should look like 'path/to/file.py:function_name'")
     if not path.is_file():
         raise FileNotFoundError(
-            f"reward file {path} not found (spec {spec!r}); relative paths are resolved against the "
+            f"{what} file {path} not found (spec {spec!r}); relative paths are resolved against the "
             f"current directory, {Path.cwd()}"
         )
     module = import_file(path)

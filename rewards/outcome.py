@@ -27,11 +27,12 @@ _Key = TypeVar("_Key")
 @dataclass(frozen=True)
 class Outcome:
     """`scores` (with "overall") when kind is "ok"; otherwise `detail` says what went wrong (a traceback
-    for an exception)."""
+    for an exception). Functions that are not rewards (agent tools) return their result as `value`."""
 
     kind: OutcomeKind
     scores: dict[str, float] = field(default_factory=dict)
     detail: str = ""
+    value: Any = None
 
 
 class InvalidRewardError(ValueError):

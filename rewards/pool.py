@@ -35,6 +35,7 @@ import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
@@ -49,12 +50,23 @@ from rewards.types import RewardInput
 @dataclass(frozen=True)
 class RemoteFunction:
     """A reward function as a worker loads it (`spec`, `kwargs`, `batched`) and as the parent schedules and
-    times it (`is_async`, which the parent read off the function it loaded itself)."""
+    times it (`is_async`, which the parent read off the function it loaded itself).
+
+    `build`, a module-level function, makes the worker's callable from this entry instead of loading a
+    reward function: how other untrusted user code (agent tools, `mmrl.agent.tools`) runs in the same
+    pool. Its callable takes a list of samples and returns one `Outcome` each, as `Scorer` does."""
 
     spec: str
     kwargs: dict[str, Any]
     batched: bool = False
     is_async: bool = False
+    build: Callable[[RemoteFunction], Any] | None = None
+
+
+def _scorer(function: RemoteFunction) -> Any:
+    if function.build is not None:
+        return function.build(function)
+    return Scorer(load_reward_function(function.spec), function.kwargs, function.batched)
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ def _serve(conn: Connection, functions: list[RemoteFunction], timeout_s: float) 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        scorers = [Scorer(load_reward_function(f.spec), f.kwargs, f.batched) for f in functions]
+        scorers = [_scorer(f) for f in functions]
     except Exception:
         _send(conn, ("start_failed", traceback.format_exc()))
         return

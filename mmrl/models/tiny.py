@@ -36,8 +36,22 @@ SPECIAL_TOKENS = [
 # Plain-text tags the answer formats use; single tokens keep tiny-model responses short.
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
 
+# Qwen's tool preamble: with `tools`, the system turn lists their schemas and the call format.
+TOOLS_PREAMBLE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+)
+
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    TOOLS_PREAMBLE + "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
@@ -45,7 +59,7 @@ CHAT_TEMPLATE = (
     "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

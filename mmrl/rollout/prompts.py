@@ -29,7 +29,7 @@ from mmrl.algorithms import (
 )
 from mmrl.batch import Batch, concat
 from mmrl.config import Config, ConfigError
-from mmrl.data import PreparedRows, PromptDataset, PromptSample, image_budget
+from mmrl.data import PreparedRows, PromptDataset, image_budget
 from mmrl.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.loaders import make_loader
 from mmrl.models import family_of, tokenizer_of
@@ -38,11 +38,15 @@ from mmrl.prefetch import PrefetchLoader
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.source import StepContext
 from mmrl.scoring import FailingRewards, generate_and_score, reward_inputs, reward_label, reward_metrics
+from mmrl.warmup import format_warmup
 from mmrl.workers.rollout import POLICY_VERSION
 from processors import VideoBudget
-from rewards import RewardManager
+from rewards import RewardInput, RewardManager
 
 log = logging.getLogger("mmrl.rollout.prompts")
+
+
+WARMUP_ROWS = 512  # prompts the format warm-up draws from
 
 
 class UnfilledBatchError(ConfigError):
@@ -102,10 +106,10 @@ class PromptSource:
             metrics = metrics or round_metrics
             if not algo.dynamic_sampling:
                 return batch, metrics
-            informative = informative_groups(batch["scores"], batch["prompt_index"])
+            informative = informative_groups(batch["scores"], groups_of(batch))
             kept.append(batch.select(informative.nonzero().squeeze(1)))
-            filtered += len(batch["prompt_index"][~informative].unique())
-            groups += len(kept[-1]["prompt_index"].unique())
+            filtered += len(groups_of(batch)[~informative].unique())
+            groups += len(groups_of(kept[-1]).unique())
             if groups >= want:
                 break
         if groups < want and algo.on_unfilled == "fail":
@@ -116,12 +120,17 @@ class PromptSource:
                 "partial batch, or use a reward that separates responses more finely."
             )
         merged = concat(kept)
-        chosen = merged["prompt_index"].unique()[:want]  # surplus groups of the last round are dropped
-        merged = merged.select(torch.isin(merged["prompt_index"], chosen).nonzero().squeeze(1))
+        if "group_index" in merged:  # each round numbers its groups from 0
+            offsets = torch.tensor([0, *(int(b["group_index"].max()) + 1 for b in kept[:-1])]).cumsum(0)
+            merged.set(
+                group_index=torch.cat([b["group_index"] + o for b, o in zip(kept, offsets, strict=True)])
+            )
+        chosen = groups_of(merged).unique()[:want]  # surplus groups of the last round are dropped
+        merged = merged.select(torch.isin(groups_of(merged), chosen).nonzero().squeeze(1))
         metrics["dynamic_sampling/filtered_groups"] = filtered
         metrics["dynamic_sampling/gen_rounds"] = len(kept)
         metrics["dynamic_sampling/kept_groups"] = len(chosen)
-        metrics["dynamic_sampling/kept_rows"] = [merged.prompts[i].row_id for i in chosen.tolist()]
+        metrics["dynamic_sampling/kept_rows"] = row_ids(merged)
         return merged, metrics
 
     def _scored_rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
@@ -181,7 +190,9 @@ class PromptSource:
             f"data/skipped/{k}": v for k, v in Counter(state["bad_rows"].values()).items()
         }
         metrics["data/epoch"] = state["loader"]["epoch"]
-        metrics["data/rows"] = [p.row_id for p in batch.prompts]
+        metrics["data/rows"] = (
+            [p.row_id for p in batch.prompts] if "group_index" not in batch else row_ids(batch)
+        )
         if huge := sum(state["huge_rows"].values()):
             metrics["data/huge_images"] = huge
         return metrics
@@ -200,7 +211,7 @@ class PromptSource:
         returns (the critic's regression targets under GAE)."""
         mask = batch["response_mask"].float()
         scores = batch["scores"]
-        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        last = last_token(mask)
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(len(scores)), last] = scores  # outcome reward on the final token
         algo = self.cfg.algorithm
@@ -222,7 +233,7 @@ class PromptSource:
         return self.estimator(
             token_rewards,
             mask,
-            batch["prompt_index"],
+            groups_of(batch),
             norm_adv_by_std=algo.norm_adv_by_std,
             gamma=algo.gamma,
             lam=algo.lam,
@@ -255,12 +266,13 @@ class PromptSource:
             shown = range(min(len(inputs), self.cfg.trainer.gallery_samples))
             items = [
                 GalleryItem(
-                    images=[*inputs[i].images, *map(frame_strip, inputs[i].videos)],
+                    images=[*_prompt_images(inputs[i]), *map(frame_strip, inputs[i].videos)],
                     prompt=inputs[i].prompt,
                     response=inputs[i].response,
                     ground_truth=inputs[i].ground_truth,
                     reward=result.overall[i],
                     components={k: v[i] for k, v in result.components.items()},
+                    turns=inputs[i].extra.get("agent_turns", []),
                 )
                 for i in shown
             ]
@@ -268,8 +280,9 @@ class PromptSource:
         return metrics
 
     # ---------------------------------------------------------------- state
-    def warmup_samples(self, limit: int) -> list[PromptSample]:
-        return self.train_set.prepare_all(limit=limit)
+    def warmup(self, model: Any, tokenizer: Any, seed: int) -> list[float]:
+        samples = self.train_set.prepare_all(limit=WARMUP_ROWS)
+        return format_warmup(model, tokenizer, samples, self.cfg.warmup, seed)
 
     def state(self) -> dict[str, Any]:
         """The data cursor after the last batch trained on: batches still in flight are drawn again on resume."""
@@ -286,6 +299,30 @@ class PromptSource:
     def close(self) -> None:
         self.loader.close()
         self.rewards.close()
+
+
+def _prompt_images(sample: RewardInput) -> list[Any]:
+    """The images of the prompt itself; a trajectory's later ones are shown with their turns."""
+    later = sum(len(t.images) for t in sample.extra.get("agent_turns", []))
+    return sample.images[: len(sample.images) - later]
+
+
+def groups_of(batch: Batch) -> torch.Tensor:
+    """Each row's group, the rows compared with each other: the n responses of one prompt, or the n
+    trajectories of one prompt in agent runs (where every trajectory has a prompt sample of its own)."""
+    return batch["group_index"] if "group_index" in batch else batch["prompt_index"]
+
+
+def row_ids(batch: Batch) -> list[int]:
+    """The data rows of the batch's groups, in order."""
+    return list(dict.fromkeys(batch.prompts[i].row_id for i in batch["prompt_index"].tolist()))
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last trained token (the first column for an empty row): where the outcome reward goes,
+    also when tool responses lie between the policy's turns."""
+    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return ((mask > 0) * columns).amax(dim=1).sub(1).clamp(min=0)
 
 
 class _Ready:
@@ -319,10 +356,11 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
     d = cfg.data
     family = family_of(model_config)
     tok = tokenizer_of(processor)
+    agent = agent_prompting(cfg)
     if not family.takes_images:
-        train = PromptDataset.from_config(d.train_files, d, tok, None, None)
+        train = PromptDataset.from_config(d.train_files, d, tok, None, None, **agent)
         val_set = (
-            PromptDataset.from_config(d.val_files, d, tok, None, None, key="val_files")
+            PromptDataset.from_config(d.val_files, d, tok, None, None, key="val_files", **agent)
             if d.val_files
             else None
         )
@@ -354,13 +392,23 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
         raise ConfigError(f"data.video_*: {err}") from None
     images = processor.image_processor
     videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
-    train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos)
+    train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos, **agent)
     val_set = (
-        PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos, key="val_files")
+        PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos, key="val_files", **agent)
         if d.val_files
         else None
     )
     return train, _prepared_val(val_set, d.max_val_samples)
+
+
+def agent_prompting(cfg: Config) -> dict[str, Any]:
+    """What an agent run's prompts need: its tools described, and full-size images kept for image tools."""
+    if cfg.agent is None:
+        return {}
+    from mmrl.agent.tools import ToolSpec
+
+    tools = [ToolSpec.from_config(t.model_dump()) for t in cfg.agent.tools]
+    return {"tools": [t.schema() for t in tools], "keep_originals": True}
 
 
 def _prepared_val(val_set: PromptDataset | None, limit: int | None) -> PreparedRows:

@@ -18,7 +18,6 @@ import torch
 
 from mmrl.batch import Batch
 from mmrl.config import Config
-from mmrl.data import PromptSample
 from mmrl.optim import MiniBatch
 from mmrl.rollout.base import RolloutEngine
 from mmrl.timing import PhaseTimer
@@ -61,8 +60,8 @@ class RolloutSource(Protocol):
     def validate(self, ctx: StepContext) -> dict[str, Any]:
         """Held-out metrics (`val/accuracy` among them), with the gallery or media they write."""
 
-    def warmup_samples(self, limit: int) -> list[PromptSample]:
-        """Prompts for the format warm-up (`warmup.steps`)."""
+    def warmup(self, model: Any, tokenizer: Any, seed: int) -> list[float]:
+        """The format warm-up (`warmup.steps`) on the source's own prompts; its losses."""
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps to resume exactly (small, JSON-able values)."""
@@ -76,11 +75,16 @@ class RolloutSource(Protocol):
 
 
 def source_from_config(cfg: Config, processor: Any, model_config: Any) -> RolloutSource:
-    """The run's source: simulator episodes with an `env` section, else prompts from the data files."""
+    """The run's source: simulator episodes with an `env` section, agent trajectories with an `agent`
+    section, else prompts from the data files."""
     if cfg.env is not None:
         from mmrl.vla.source import EpisodeSource  # imports the simulators only for runs that use them
 
         return EpisodeSource(cfg, processor, model_config)
+    if cfg.agent is not None:
+        from mmrl.agent.source import AgentSource
+
+        return AgentSource(cfg, processor, model_config)
     from mmrl.rollout.prompts import PromptSource
 
     return PromptSource(cfg, processor, model_config)

@@ -19,7 +19,7 @@ from mmrl.algorithms import first_rows, get_advantage_estimator, informative_gro
 from mmrl.batch import Batch
 from mmrl.checkpoint import rng_devices
 from mmrl.config import Config, ConfigError
-from mmrl.data import PromptSample, image_budget
+from mmrl.data import image_budget
 from mmrl.optim import MiniBatch, plan_minibatches
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.source import StepContext
@@ -162,7 +162,7 @@ class EpisodeSource:
             episodes_gif(episodes.frames, shown, self.cfg.run_dir / "media" / f"step_{ctx.step:06d}.gif")
         return metrics
 
-    def warmup_samples(self, limit: int) -> list[PromptSample]:
+    def warmup(self, model: Any, tokenizer: Any, seed: int) -> list[float]:
         raise ConfigError("episode runs start from demonstrations (`mmrl sft`), not a format warm-up")
 
     def state(self) -> dict[str, Any]:

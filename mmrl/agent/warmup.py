@@ -1,0 +1,125 @@
+"""The agent runs' format warm-up: whole scripted trajectories, with the tools run for real.
+
+A tiny or untuned model does not know the call syntax, nor that an answer follows the tool's reply.
+Each warm-up trajectory follows `warmup.turns`: assistant turns whose {answer} is an answer of another
+row and whose other {key}s are drawn from `warmup.fill`, all independent of the prompt's images. Its
+tool calls run through the same agent loop as in RL, so the model is taught on the observations it will
+really see, but learns only the format: which box to zoom into and which answer is right stay for RL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.agent.loop import AgentEngine
+from mmrl.batch import Batch
+from mmrl.config import WarmupConfig
+from mmrl.data import PromptSample
+from mmrl.rollout.base import SamplingParams
+from mmrl.supervised import supervised_batch_step
+
+SCRIPT = "warmup_script"  # a warm-up prompt's `extra` key: the assistant turns it is answered with
+
+
+@dataclass
+class Script:
+    """One trajectory's assistant turns, and how many were given: every turn of a trajectory is generated
+    from a copy of its prompt sample, and all copies share this object."""
+
+    turns: list[str]
+    given: int = 0
+
+    def next(self) -> str:
+        self.given += 1
+        return self.turns[min(self.given, len(self.turns)) - 1]
+
+
+class ScriptedEngine:
+    """A rollout engine that answers each prompt with the next turn of its script (`extra[SCRIPT]`)."""
+
+    logprobs_are_free = True
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        rows = [p.extra[SCRIPT].next() for p in prompts]
+        ids = [
+            self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            for t in rows
+        ]
+        width = max(map(len, ids))
+        response = torch.full((len(ids), width), self.tokenizer.pad_token_id)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, row in enumerate(ids):
+            response[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        batch = Batch(
+            tensors={
+                "prompt_index": torch.arange(len(prompts)),
+                "response_ids": response,
+                "response_mask": mask,
+                "truncated": torch.zeros(len(prompts), dtype=torch.bool),
+                "rollout_logprobs": torch.zeros(mask.shape),
+            },
+            prompts=prompts,
+        )
+        batch.set(response_text=rows)
+        return batch
+
+    def sync_weights(self) -> None:
+        """A script has no weights."""
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+
+def scripts(cfg: WarmupConfig, answers: list[str], count: int, rng: np.random.Generator) -> list[Script]:
+    """`count` scripts: `cfg.turns` with {answer} and every `cfg.fill` key drawn independently."""
+    assert cfg.turns is not None
+    out = []
+    for _ in range(count):
+        values = {key: str(rng.choice(options)) for key, options in cfg.fill.items()}
+        values["answer"] = str(rng.choice(answers))
+        out.append(Script([_fill(turn, values) for turn in cfg.turns]))
+    return out
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    """`template` with each {key} of `values` replaced; other braces (a call's JSON) stay as written."""
+    for key, value in values.items():
+        template = template.replace("{" + key + "}", value)
+    return template
+
+
+def agent_warmup(
+    model: Any,
+    agent_loop: Callable[[Any], AgentEngine],
+    samples: list[PromptSample],
+    cfg: WarmupConfig,
+    seed: int,
+    tokenizer: Any,
+) -> list[float]:
+    """`cfg.steps` cross-entropy steps on scripted trajectories (see the module); returns the losses.
+    `agent_loop` makes the run's agent loop over a given engine (here, the script)."""
+    if not samples:
+        raise ValueError("format warm-up needs at least one usable training row")
+    rng = np.random.default_rng([seed, 1])
+    answers = [str(s.ground_truth) for s in samples]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    agent = agent_loop(ScriptedEngine(tokenizer))
+    losses = []
+    for _ in range(cfg.steps):
+        rows = rng.choice(len(samples), size=cfg.batch_size)
+        prompts = [
+            replace(samples[r], extra={**samples[r].extra, SCRIPT: script})
+            for r, script in zip(rows, scripts(cfg, answers, len(rows), rng), strict=True)
+        ]
+        batch = agent.generate(prompts, SamplingParams(n=1, max_new_tokens=1 << 16))
+        losses.append(supervised_batch_step(model, optimizer, batch, tokenizer.pad_token_id))
+    return losses

@@ -1,0 +1,73 @@
+"""A seeded visual task that needs the `image_zoom` tool: name the colours of a small striped mark.
+
+The mark is a square of stripes two pixels wide in one of three colour pairs (red/cyan, green/magenta,
+blue/yellow), placed in one of the four quadrants of a large image. Every pair averages to the same
+grey, so at the policy's pixel budget (the image shrunk 4x) the mark is a grey square whose place is
+plain but whose colours are gone: without zooming, the answer is at chance (1/3). Zooming into the right
+quadrant (shrunk 2x) keeps the stripes and the answer is legible. Rows are in the EasyR1 jsonl layout,
+with the quadrant's box in the model's coordinates as `extra` (`params.box`), for rewards and analysis.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+ANSWERS = ("red", "green", "blue")  # each named by its first stripe colour
+PAIRS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
+    "red": ((255, 0, 0), (0, 255, 255)),
+    "green": ((0, 255, 0), (255, 0, 255)),
+    "blue": ((0, 0, 255), (255, 255, 0)),
+}
+IMAGE_SIZE = 448  # the original; the recipe's budget sees it at 112 x 112
+MODEL_SIZE = 112
+MARK = 48  # the mark's side in original pixels
+STRIPE = 2
+QUESTION = "Zoom in and name the colour of the striped mark."
+QUADRANTS = [[x, y, x + MODEL_SIZE // 2, y + MODEL_SIZE // 2] for y in (0, 56) for x in (0, 56)]
+
+
+def draw(rng: np.random.Generator, answer: str, quadrant: int) -> tuple[Image.Image, dict[str, Any]]:
+    """One scene: grey noise, and the `answer` mark at a random place inside `quadrant`."""
+    half = IMAGE_SIZE // 2
+    pixels = rng.integers(118, 139, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)
+    pixels[:] = np.clip(pixels.astype(int) + 60, 0, 255).astype(np.uint8)  # a light background
+    margin = 8
+    x = (quadrant % 2) * half + int(rng.integers(margin, half - MARK - margin))
+    y = (quadrant // 2) * half + int(rng.integers(margin, half - MARK - margin))
+    first, second = PAIRS[answer]
+    vertical = bool(rng.integers(2))
+    index = np.arange(MARK) // STRIPE % 2
+    stripes = np.where((index[None, :] if vertical else index[:, None])[..., None] == 0, first, second)
+    pixels[y : y + MARK, x : x + MARK] = np.broadcast_to(stripes, (MARK, MARK, 3))
+    params = {"x": x, "y": y, "vertical": vertical, "quadrant": quadrant, "box": QUADRANTS[quadrant]}
+    return Image.fromarray(pixels), params
+
+
+def generate_zoom(out_dir: str | Path, n_train: int = 512, n_val: int = 96, seed: int = 0) -> dict[str, Any]:
+    """Write `train.jsonl` and `val.jsonl` (balanced answers and quadrants) with their images."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    histogram = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        rng = np.random.default_rng([seed, ("train", "val").index(split), 7])
+        cells = [(a, q) for q in range(4) for a in ANSWERS]
+        order = [cells[i % len(cells)] for i in rng.permutation(n)]
+        lines = []
+        for index, (answer, quadrant) in enumerate(order):
+            image, params = draw(rng, answer, quadrant)
+            rel = f"images/{split}_{index:06d}.png"
+            image.save(out / rel, compress_level=1)
+            row = {"problem": f"<image>{QUESTION}", "answer": answer, "images": [rel], "params": params}
+            lines.append(json.dumps(row) + "\n")
+        (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+        histogram[split] = dict(Counter(a for a, _ in order))
+    meta = {"task": "zoom", "seed": seed, "n_train": n_train, "n_val": n_val, "answers": list(ANSWERS)}
+    meta["answer_histogram"] = histogram
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
