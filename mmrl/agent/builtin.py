@@ -88,9 +88,11 @@ def calculator(expression: str) -> str:
         raise
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError) as err:
         raise ToolError(f"cannot evaluate {expression!r}: {err}") from None
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        value = int(value)
-    return repr(round(value, 10) if isinstance(value, float) else value)
+    if isinstance(value, float):
+        value = round(value, 10)  # 2.0000000000000004 is 2 to anyone asking
+        if value.is_integer() and abs(value) < 1e15:
+            value = int(value)
+    return repr(value)
 
 
 def _evaluate(node: ast.AST) -> Any:

@@ -1,0 +1,382 @@
+"""Multi-turn agents (`mmrl.agent`): tool-call parsing, the built-in tools, failures counted and survived,
+trajectory limits, and the trainer's log-probs over a multi-turn trajectory with images in two turns."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.agent import (
+    AgentEngine,
+    AgentLimits,
+    CallError,
+    SeenImage,
+    ToolBox,
+    ToolCall,
+    ToolError,
+    ToolSpec,
+    calculator,
+    check_arguments,
+    image_zoom,
+    parse_tool_calls,
+)
+from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
+
+ZOOM_CALL = '<tool_call>\n{"name": "image_zoom", "arguments": {"bbox_2d": [56, 0, 112, 56]}}\n</tool_call>'
+
+
+# ---------------------------------------------------------------- parsing
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (ZOOM_CALL, [ToolCall("image_zoom", {"bbox_2d": [56, 0, 112, 56]})]),
+        ('<tool_call>{"name": "calc", "arguments": {"x": 1}}', [ToolCall("calc", {"x": 1})]),  # no close tag
+        (
+            '<tool_call>\n```json\n{"name": "calc", "arguments": {}}\n```\n</tool_call>',
+            [ToolCall("calc", {})],
+        ),
+        (
+            "<tool_call>{'name': 'calc', 'arguments': {'x': True}}</tool_call>",
+            [ToolCall("calc", {"x": True})],
+        ),
+        (
+            '<tool_call>{"name": "calc", "arguments": "{\\"x\\": 2}"}</tool_call>',
+            [ToolCall("calc", {"x": 2})],
+        ),
+        ('<tool_call>{"name": "calc", "parameters": {"x": 3}}</tool_call>', [ToolCall("calc", {"x": 3})]),
+        ("<answer>red</answer>", []),
+    ],
+)
+def test_tool_calls_are_read_tolerantly(text: str, expected: list[ToolCall]) -> None:
+    assert parse_tool_calls(text) == expected
+
+
+def test_unreadable_calls_become_errors_in_order() -> None:
+    text = '<tool_call>{"name": calc</tool_call> then <tool_call>{"arguments": {}}</tool_call>' + ZOOM_CALL
+    first, second, third = parse_tool_calls(text)
+    assert isinstance(first, CallError) and "not a JSON object" in first.detail
+    assert isinstance(second, CallError) and "name" in second.detail
+    assert third == ToolCall("image_zoom", {"bbox_2d": [56, 0, 112, 56]})
+
+
+def test_arguments_are_checked_against_the_schema() -> None:
+    schema = ToolSpec.from_config({"function": "image_zoom"}).parameters
+    assert check_arguments(schema, {"bbox_2d": [0, 0, 1, 1]}) is None
+    assert "missing" in check_arguments(schema, {})
+    assert "expected 4 to 4 items" in check_arguments(schema, {"bbox_2d": [0, 0, 1]})
+    assert "expected number" in check_arguments(schema, {"bbox_2d": [0, 0, 1, True]})
+    assert "expected integer" in check_arguments(schema, {"bbox_2d": [0, 0, 1, 1], "image_index": 0.5})
+    closed = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "additionalProperties": False}
+    assert "unknown argument" in check_arguments(closed, {"b": 1})
+    assert "one of" in check_arguments(closed, {"a": "y"})
+
+
+# ---------------------------------------------------------------- built-in tools
+def test_calculator_evaluates_arithmetic_and_refuses_anything_else() -> None:
+    assert calculator("(3 + 4) * 2") == "14"
+    assert calculator("2^10") == "1024"
+    assert calculator("sqrt(2) * sqrt(2)") == "2"
+    assert calculator("7 / 2") == "3.5"
+    for bad in ("__import__('os')", "1 / 0", "9 ** 9 ** 9", "x + 1", "(1).__class__"):
+        with pytest.raises(ToolError):
+            calculator(bad)
+
+
+def test_image_zoom_crops_the_original_in_the_coordinates_the_model_saw() -> None:
+    original = Image.fromarray(
+        np.arange(448 * 448 * 3, dtype=np.uint32).reshape(448, 448, 3).astype(np.uint8)
+    )
+    seen = [SeenImage(original, (112, 112))]
+    crop = image_zoom([56, 0, 112, 56], seen)
+    assert crop.size == (224, 224)
+    assert np.array_equal(np.asarray(crop), np.asarray(original)[0:224, 224:448])
+    thousandths = image_zoom([500, 0, 1000, 500], seen, frame="norm1000")
+    assert np.array_equal(np.asarray(thousandths), np.asarray(crop))
+    with pytest.raises(ToolError, match="holds no pixels"):
+        image_zoom([50, 50, 40, 60], seen)
+    with pytest.raises(ToolError, match="image_index 1"):
+        image_zoom([0, 0, 10, 10], seen, image_index=1)
+
+
+# ---------------------------------------------------------------- failures
+def _user_tools(tmp_path: Path) -> list[ToolSpec]:
+    file = tmp_path / "tools.py"
+    file.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+
+            def lookup(city):
+                return {"paris": "sunny"}[city]   # KeyError for any other city
+
+            def hang(seconds):
+                time.sleep(seconds)
+                return "woke"
+
+            def die():
+                os._exit(3)
+
+            def odd():
+                return {"not": "text"}
+            """
+        )
+    )
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    empty = {"type": "object", "properties": {}}
+    specs = [
+        {"function": f"{file}:lookup", "parameters": schema},
+        {
+            "function": f"{file}:hang",
+            "parameters": {"type": "object", "properties": {"seconds": {"type": "number"}}},
+        },
+        {"function": f"{file}:die", "parameters": empty},
+        {"function": f"{file}:odd", "parameters": empty},
+        {"function": "calculator"},
+    ]
+    return [ToolSpec.from_config(s) for s in specs]
+
+
+def test_every_failure_kind_is_counted_and_answered_and_the_tools_keep_working(tmp_path: Path) -> None:
+    """A malformed call, an unknown tool, bad arguments (schema and the tool's own refusal), an exception,
+    a hang past the timeout, a dead worker and a result that is not text: each one is an error observation,
+    counted per tool and kind, and the next calls still run."""
+    box = ToolBox(_user_tools(tmp_path), timeout_s=2.0, num_workers=1)
+    try:
+        calls = [
+            CallError("the tool call is not a JSON object"),
+            ToolCall("weather", {}),
+            ToolCall("lookup", {"city": 3}),
+            ToolCall("calculator", {"expression": "1 / 0"}),
+            ToolCall("lookup", {"city": "rome"}),
+            ToolCall("hang", {"seconds": 60}),
+            ToolCall("die", {}),
+            ToolCall("odd", {}),
+            ToolCall("lookup", {"city": "paris"}),
+            ToolCall("calculator", {"expression": "6 * 7"}),
+        ]
+        out = box.run(calls, [[] for _ in calls])
+        assert [o.failure for o in out] == [
+            "malformed",
+            "unknown_tool",
+            "bad_arguments",
+            "bad_arguments",
+            "exception",
+            "timeout",
+            "exception",
+            "exception",
+            None,
+            None,
+        ]
+        assert out[1].parts[0].startswith("Error: there is no tool 'weather'")
+        assert "KeyError" in out[4].parts[0]
+        assert out[8].parts == ["sunny"] and out[9].parts == ["42"]
+        assert box.failures == {
+            "call/malformed": 1,
+            "weather/unknown_tool": 1,
+            "lookup/bad_arguments": 1,
+            "calculator/bad_arguments": 1,
+            "lookup/exception": 1,
+            "hang/timeout": 1,
+            "die/exception": 1,
+            "odd/exception": 1,
+        }
+        again = box.run([ToolCall("lookup", {"city": "paris"})], [[]])  # after a kill and a death
+        assert again[0].parts == ["sunny"]
+    finally:
+        box.close()
+
+
+def test_a_broken_tool_file_fails_at_start_in_one_line(tmp_path: Path) -> None:
+    file = tmp_path / "bad.py"
+    file.write_text("def f(:\n")
+    with pytest.raises(ImportError, match="syntax error"):
+        ToolBox([ToolSpec.from_config({"function": f"{file}:f", "parameters": {"type": "object"}})])
+    with pytest.raises(ValueError, match="built-ins are image_zoom, calculator"):
+        ToolSpec.from_config({"function": "zoom"})
+
+
+# ---------------------------------------------------------------- trajectories
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Any:
+    from mmrl.models import load_policy, load_processor
+
+    return load_policy(tiny_model_dir), load_processor(tiny_model_dir)
+
+
+def _prompts(tiny: Any, count: int) -> list[Any]:
+    from mmrl.data import PromptSample, with_pixels
+    from mmrl.synthetic_zoom import draw
+    from processors import build_messages, encode_prompt, fit_image, num_image_tokens
+
+    model, processor = tiny
+    budget = _budget(model)
+    tools = [ToolSpec.from_config({"function": "image_zoom"}).schema()]
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(count):
+        original, _ = draw(rng, "red", i % 4)
+        fitted = fit_image(original, budget)
+        ids = encode_prompt(
+            processor.tokenizer,
+            build_messages("<image>Zoom in.", 1),
+            [num_image_tokens(fitted.height, fitted.width, budget)],
+            tools=tools,
+        )
+        sample = PromptSample(i, ids, "Zoom in.", "red", images=[fitted], originals=[original])
+        out.append(with_pixels(sample, [], processor.image_processor, None))
+    return out
+
+
+def _budget(model: Any) -> Any:
+    from mmrl.models import family_of
+    from processors import PixelBudget
+
+    grid = family_of(model).grid()
+    return PixelBudget(112 * 112, 112 * 112, grid.patch, grid.merge, family_of(model).image_size_rule)
+
+
+def _agent(tiny: Any, engine: Any, limits: AgentLimits | None = None) -> AgentEngine:
+    model, processor = tiny
+    box = ToolBox([ToolSpec.from_config({"function": "image_zoom"})])
+    return AgentEngine(
+        engine, box, processor.tokenizer, processor.image_processor, _budget(model), limits or AgentLimits()
+    )
+
+
+def _scripted(prompts: list[Any], turns: list[str]) -> list[Any]:
+    return [replace(p, extra={SCRIPT: Script(list(turns))}) for p in prompts]
+
+
+def test_a_trajectory_interleaves_policy_turns_and_tool_responses_with_their_images(tiny: Any) -> None:
+    _, processor = tiny
+    agent = _agent(tiny, ScriptedEngine(processor.tokenizer))
+    prompts = _prompts(tiny, 2)
+    batch = agent.generate(_scripted(prompts, [ZOOM_CALL, "<answer>red</answer>"]), _params())
+    assert len(batch) == 2 and batch["group_index"].tolist() == [0, 1]
+    assert batch["turns"].tolist() == [2] * 2 and batch["tool_calls"].tolist() == [1] * 2
+    assert not batch["truncated"].any() and batch["response_text"] == ["<answer>red</answer>"] * 2
+    row = batch.prompts[0]
+    assert len(row.images) == 2 and row.image_grid_thw.shape == (2, 3)  # the prompt's and the zoom's
+    assert row.prompt_ids == prompts[0].prompt_ids  # the first prompt; the rest is the response
+    ids, policy, attention = (
+        batch["response_ids"][0],
+        batch["response_mask"][0],
+        batch["response_attention"][0],
+    )
+    text = processor.tokenizer.decode(ids[attention.bool()])
+    assert text.startswith(ZOOM_CALL) and text.endswith("<answer>red</answer><|im_end|>")
+    observation = processor.tokenizer.decode(ids[attention.bool() & ~policy.bool()])
+    assert observation.startswith("\n<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|>")
+    assert observation.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert row.extra["agent_ending"] == "answer" and [t.role for t in row.extra["agent_turns"]] == [
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    zoomed = row.extra["agent_turns"][1].images[0]
+    assert zoomed.size == (112, 112)  # the 224-px quadrant sized within the budget
+
+
+def _params(n: int = 1, logprobs: bool = False) -> Any:
+    from mmrl.rollout import SamplingParams
+
+    return SamplingParams(n=n, max_new_tokens=80, logprobs=logprobs)
+
+
+@pytest.mark.parametrize(
+    ("limits", "ending"),
+    [
+        (AgentLimits(max_turns=1), "max_turns"),  # the turn's call is never answered
+        (AgentLimits(max_images=1), "max_images"),  # the zoom would be a second image
+        (AgentLimits(max_tokens=650), "max_tokens"),  # room for the call, not its reply
+    ],
+)
+def test_a_trajectory_over_a_limit_ends_truncated_and_counted(
+    tiny: Any, limits: AgentLimits, ending: str
+) -> None:
+    _, processor = tiny
+    agent = _agent(tiny, ScriptedEngine(processor.tokenizer), limits)
+    prompts = _prompts(tiny, 1)
+    batch = agent.generate(_scripted(prompts, [ZOOM_CALL, "<answer>red</answer>"]), _params())
+    assert bool(batch["truncated"][0]) and batch.prompts[0].extra["agent_ending"] == ending
+    attention = batch["response_attention"][0].bool()
+    assert len(prompts[0].prompt_ids) + int(attention.sum()) <= limits.max_tokens
+    last = int(attention.nonzero().max())
+    assert bool(batch["response_mask"][0][last]), "a trajectory never ends on a tool response"
+
+
+class _Forced:
+    """The model, with `generate` forced to emit given token lists: the HF engine then samples exactly a
+    scripted trajectory and reports its real sampling log-probs (from the unprocessed logits)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.rows = model, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        width, rows = input_ids.shape[1], self.rows
+
+        def allowed(row: int, ids: torch.Tensor) -> list[int]:
+            k = ids.shape[0] - width
+            return [rows[row][min(k, len(rows[row]) - 1)]]
+
+        return self.model.generate(input_ids=input_ids, prefix_allowed_tokens_fn=allowed, **kwargs)
+
+
+class _ForcedScript:
+    """The HF engine over `_Forced`, taking each prompt's next turn from its script."""
+
+    logprobs_are_free = False
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts: list[Any], params: Any) -> Any:
+        self.engine.model.rows = [
+            self.tokenizer(p.extra[SCRIPT].next(), add_special_tokens=False)["input_ids"]
+            + [self.tokenizer.eos_token_id]
+            for p in prompts
+        ]
+        return self.engine.generate(prompts, params)
+
+
+def test_trainer_logprobs_over_a_multi_turn_trajectory_equal_the_engines_and_tool_tokens_get_no_gradient(
+    tiny: Any,
+) -> None:
+    """One forward over the whole trajectory (two images, one returned by the tool mid-conversation)
+    gives every policy token the log-prob the HF engine sampled it with, turn by turn; the loss on it
+    sends exactly zero gradient to the tool response's positions."""
+    from mmrl.actor import forward_logprobs, response_logits
+    from mmrl.rollout import HFEngine
+
+    model, processor = tiny
+    engine = HFEngine(_Forced(model), processor)
+    agent = _agent(tiny, _ForcedScript(engine, processor.tokenizer))
+    prompts = _scripted(_prompts(tiny, 2), [ZOOM_CALL, "<answer>red</answer>"])
+    batch = agent.generate(prompts, replace(_params(logprobs=True), temperature=1.0))
+    assert batch["tool_calls"].tolist() == [1, 1] and len(batch.prompts[0].images) == 2
+    policy = batch["response_mask"].bool()
+    observation = batch["response_attention"].bool() & ~policy
+    pad = processor.tokenizer.pad_token_id
+    logp, _ = forward_logprobs(model, batch, pad)
+    sampled = batch["rollout_logprobs"]
+    assert torch.allclose(logp[policy], sampled[policy], atol=1e-4), (logp - sampled)[policy].abs().max()
+    assert (sampled[observation] == 0).all()
+
+    logits = response_logits(model, batch, pad)
+    logits.retain_grad()
+    from mmrl.algorithms import logprobs_from_logits
+
+    token_logp = logprobs_from_logits(logits.float(), batch["response_ids"])
+    (-(token_logp * batch["response_mask"]).sum()).backward()
+    assert (logits.grad[observation] == 0).all()
+    assert (logits.grad[policy].abs().sum(dim=-1) > 0).all()
