@@ -126,13 +126,23 @@ def evaluate(
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
     functions = [f.model_dump() for f in cfg.reward.functions]
+    agents = None
+    if cfg.agent is not None:  # every answer is a multi-turn trajectory with tool calls
+        from mmrl.agent.source import AgentLoops
+
+        agents = AgentLoops(cfg, processor, model.config)
+        engine = agents(engine)
     with RewardManager(
         functions,
         timeout_s=cfg.reward.timeout_s,
         isolation=cfg.reward.isolation,
         num_workers=cfg.reward.num_workers,
     ) as rewards:
-        _, result = generate_and_score(engine, rewards, samples, params, cfg.data.val_batch_size)
+        try:
+            _, result = generate_and_score(engine, rewards, samples, params, cfg.data.val_batch_size)
+        finally:
+            if agents is not None:
+                agents.close()
     metrics = reward_metrics(result, prefix="eval")
     accuracy_scores = result.components[reward_label(cfg.reward.functions[0].name)]
     metrics["eval/accuracy"] = float(np.mean(accuracy_scores))

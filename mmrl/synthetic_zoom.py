@@ -5,7 +5,7 @@ blue/yellow), placed in one of the four quadrants of a large image. Every pair a
 grey, so at the policy's pixel budget (the image shrunk 4x) the mark is a grey square whose place is
 plain but whose colours are gone: without zooming, the answer is at chance (1/3). Zooming into the right
 quadrant (shrunk 2x) keeps the stripes and the answer is legible. Rows are in the EasyR1 jsonl layout,
-with the quadrant's box in the model's coordinates as `extra` (`params.box`), for rewards and analysis.
+with the mark's box in the model's coordinates (`target_box`, read by the `zoom_hit` grader).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def draw(rng: np.random.Generator, answer: str, quadrant: int) -> tuple[Image.Im
     index = np.arange(MARK) // STRIPE % 2
     stripes = np.where((index[None, :] if vertical else index[:, None])[..., None] == 0, first, second)
     pixels[y : y + MARK, x : x + MARK] = np.broadcast_to(stripes, (MARK, MARK, 3))
-    params = {"x": x, "y": y, "vertical": vertical, "quadrant": quadrant, "box": QUADRANTS[quadrant]}
+    scale = MODEL_SIZE / IMAGE_SIZE
+    target = [round(v * scale, 1) for v in (x, y, x + MARK, y + MARK)]
+    params = {"x": x, "y": y, "vertical": vertical, "quadrant": quadrant, "target_box": target}
     return Image.fromarray(pixels), params
 
 
@@ -63,7 +65,13 @@ def generate_zoom(out_dir: str | Path, n_train: int = 512, n_val: int = 96, seed
             image, params = draw(rng, answer, quadrant)
             rel = f"images/{split}_{index:06d}.png"
             image.save(out / rel, compress_level=1)
-            row = {"problem": f"<image>{QUESTION}", "answer": answer, "images": [rel], "params": params}
+            row = {
+                "problem": f"<image>{QUESTION}",
+                "answer": answer,
+                "images": [rel],
+                "target_box": params.pop("target_box"),  # the mark, in the model's coordinates (`zoom_hit`)
+                "params": params,
+            }
             lines.append(json.dumps(row) + "\n")
         (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
         histogram[split] = dict(Counter(a for a, _ in order))

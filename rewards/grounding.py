@@ -136,3 +136,28 @@ def format_json_box(sample: RewardInput) -> float:
     except (ValueError, RecursionError):
         return 0.0
     return float(isinstance(value, list) and bool(value) and all(_is_json_box(item) for item in value))
+
+
+_ZOOM_BOX = re.compile(r'"bbox_2d"\s*:\s*(\[[^\]]*\])')
+
+
+@register_grader("zoom_hit")
+def zoom_hit(sample: RewardInput, key: str = "target_box") -> float:
+    """1.0 if one of the agent's `image_zoom` calls framed the target: its box holds the centre of the
+    row's `extra[key]` ([x1, y1, x2, y2] in the coordinates the model saw). The rate of useful zooms of
+    an agent run (`mmrl.agent`; the turns are in `extra["agent_turns"]`); with weight 0 it is only logged."""
+    target = make_box(sample.extra.get(key))
+    if target is None:
+        raise ValueError(f"zoom_hit needs the row's target box in column {key!r} as [x1, y1, x2, y2]")
+    cx, cy = (target.x1 + target.x2) / 2, (target.y1 + target.y2) / 2
+    for turn in sample.extra.get("agent_turns", []):
+        if turn.role != "assistant":
+            continue
+        for found in _ZOOM_BOX.findall(turn.text):
+            try:
+                box = make_box(json.loads(found))
+            except ValueError:
+                continue
+            if box is not None and box.x1 <= cx <= box.x2 and box.y1 <= cy <= box.y2:
+                return 1.0
+    return 0.0

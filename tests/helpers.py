@@ -168,3 +168,30 @@ def overlapped_config(model_dir: Path, root: Path, *overrides: str) -> Config:
             *overrides,
         ],
     )
+
+
+# A zoom call in the tiny model's format, and a short tool schema: the Qwen tool preamble alone takes
+# most of a 512-token context there.
+ZOOM_CALL = '<tool_call>\n{"name": "image_zoom", "arguments": {"bbox_2d": [56, 0, 112, 56]}}\n</tool_call>'
+SHORT_ZOOM = {"function": "image_zoom", "description": "Zoom in", "parameters": {"type": "object"}}
+
+
+def zoom_prompts(processor: Any, budget: PixelBudget, count: int, tool: dict[str, Any]) -> list[PromptSample]:
+    """Zoom-task prompts (`mmrl.synthetic_zoom`) describing `tool`, with their full-size originals."""
+    import numpy as np
+
+    from mmrl.agent import ToolSpec
+    from mmrl.data import with_pixels
+    from mmrl.synthetic_zoom import draw
+
+    tools = [ToolSpec.from_config(tool).schema()]
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(count):
+        original, _ = draw(rng, "red", i % 4)
+        fitted = fit_image(original, budget)
+        count_ = num_image_tokens(fitted.height, fitted.width, budget)
+        ids = encode_prompt(processor.tokenizer, build_messages("<image>Zoom in.", 1), [count_], tools=tools)
+        sample = PromptSample(i, ids, "Zoom in.", "red", images=[fitted], originals=[original])
+        out.append(with_pixels(sample, [], processor.image_processor, None))
+    return out

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import ZOOM_CALL, zoom_prompts
 from PIL import Image
 
 from mmrl.agent import (
@@ -28,8 +29,6 @@ from mmrl.agent import (
     parse_tool_calls,
 )
 from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
-
-ZOOM_CALL = '<tool_call>\n{"name": "image_zoom", "arguments": {"bbox_2d": [56, 0, 112, 56]}}\n</tool_call>'
 
 
 # ---------------------------------------------------------------- parsing
@@ -211,27 +210,8 @@ def tiny(tiny_model_dir: Path) -> Any:
 
 
 def _prompts(tiny: Any, count: int) -> list[Any]:
-    from mmrl.data import PromptSample, with_pixels
-    from mmrl.synthetic_zoom import draw
-    from processors import build_messages, encode_prompt, fit_image, num_image_tokens
-
     model, processor = tiny
-    budget = _budget(model)
-    tools = [ToolSpec.from_config({"function": "image_zoom"}).schema()]
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(count):
-        original, _ = draw(rng, "red", i % 4)
-        fitted = fit_image(original, budget)
-        ids = encode_prompt(
-            processor.tokenizer,
-            build_messages("<image>Zoom in.", 1),
-            [num_image_tokens(fitted.height, fitted.width, budget)],
-            tools=tools,
-        )
-        sample = PromptSample(i, ids, "Zoom in.", "red", images=[fitted], originals=[original])
-        out.append(with_pixels(sample, [], processor.image_processor, None))
-    return out
+    return zoom_prompts(processor, _budget(model), count, {"function": "image_zoom"})
 
 
 def _budget(model: Any) -> Any:

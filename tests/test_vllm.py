@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import gc
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numba  # noqa: F401  (LIBERO's robosuite imports it: every engine here must start beside llvmlite)
 import pytest
 import torch
-from helpers import BUDGET, mixed_media_dataset, mixed_prompts, update_once, vllm_engine
+from helpers import (
+    BUDGET,
+    SHORT_ZOOM,
+    ZOOM_CALL,
+    mixed_media_dataset,
+    mixed_prompts,
+    update_once,
+    vllm_engine,
+    zoom_prompts,
+)
 from PIL import Image
 
 from mmrl.actor import Actor, forward_logprobs
@@ -75,6 +85,44 @@ def test_vllm_logprobs_match_the_training_forward_on_a_mixed_batch(engine) -> No
     # At the wrong temperature the two disagree, so the agreement above is not vacuous.
     wrong = (_trainer_logprobs(engine, batch, 1.0) - batch["rollout_logprobs"])[mask].abs()
     assert wrong.max() > 1e-3
+
+
+class _ScriptThen:
+    """The first turn from a script (a zoom call), every later one from `engine`."""
+
+    logprobs_are_free = True
+
+    def __init__(self, script, engine) -> None:
+        self.script, self.engine, self.calls = script, engine, 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        return (self.script if self.calls == 1 else self.engine).generate(prompts, params)
+
+
+def test_vllm_samples_after_a_tool_image_with_the_trainers_logprobs(engine) -> None:
+    """A multi-turn trajectory: a scripted zoom call, the tool's crop back as a second image in the
+    middle of the conversation, and a turn vLLM samples from that context. The trainer's one forward over
+    the whole trajectory gives that turn's tokens the log-probs vLLM sampled them with."""
+    from mmrl.agent import AgentEngine, AgentLimits, ToolBox, ToolSpec
+    from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
+
+    processor = load_processor(engine.model.name_or_path)
+    prompts = [
+        replace(p, extra={SCRIPT: Script([ZOOM_CALL])})
+        for p in zoom_prompts(processor, BUDGET, 3, SHORT_ZOOM)
+    ]
+    tools = ToolBox([ToolSpec.from_config(SHORT_ZOOM)])
+    limits = AgentLimits(max_turns=2, max_tokens=512)
+    mixed = _ScriptThen(ScriptedEngine(processor.tokenizer), engine)
+    agent = AgentEngine(mixed, tools, processor.tokenizer, processor.image_processor, BUDGET, limits)
+    torch.manual_seed(0)
+    batch = agent.generate(prompts, SamplingParams(n=1, temperature=0.7, max_new_tokens=8, logprobs=True))
+    assert batch["tool_calls"].tolist() == [1, 1, 1] and all(len(p.images) == 2 for p in batch.prompts)
+    sampled = batch["response_mask"].bool() & (batch["rollout_logprobs"] != 0)  # the scripted turn has none
+    assert sampled.sum() >= 6
+    diff = (_trainer_logprobs(engine, batch, 0.7) - batch["rollout_logprobs"])[sampled].abs()
+    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}"
 
 
 def test_an_image_fitted_off_the_budget_is_not_resized_again(engine) -> None:

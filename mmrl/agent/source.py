@@ -23,11 +23,11 @@ from mmrl.rollout.prompts import WARMUP_ROWS, PromptSource
 from mmrl.rollout.source import StepContext
 
 
-class AgentSource(PromptSource):
-    """A prompt source whose answers are agent trajectories (see the module)."""
+class AgentLoops:
+    """Makes the run's agent loop (`agent` section: tools, limits) over a given engine: training's,
+    `mmrl eval`'s, or the warm-up's script. Owns the tools; `close` stops their workers."""
 
     def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
-        super().__init__(cfg, processor, model_config)
         a = cfg.agent
         assert a is not None
         self.tools = ToolBox(
@@ -38,6 +38,21 @@ class AgentSource(PromptSource):
         takes_images = family_of(model_config).takes_images
         self.image_processor = processor.image_processor if takes_images else None
         self.budget = image_budget(cfg.data, model_config) if takes_images else None
+
+    def __call__(self, engine: Any) -> AgentEngine:
+        return AgentEngine(engine, self.tools, self.tokenizer, self.image_processor, self.budget, self.limits)
+
+    def close(self) -> None:
+        self.tools.close()
+
+
+class AgentSource(PromptSource):
+    """A prompt source whose answers are agent trajectories (see the module)."""
+
+    def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
+        super().__init__(cfg, processor, model_config)
+        self.agent_loop = AgentLoops(cfg, processor, model_config)
+        self.tools = self.agent_loop.tools
         self._agents: dict[int, AgentEngine] = {}
 
     def agent(self, engine: RolloutEngine) -> AgentEngine:
@@ -45,9 +60,6 @@ class AgentSource(PromptSource):
         if id(engine) not in self._agents:
             self._agents[id(engine)] = self.agent_loop(engine)
         return self._agents[id(engine)]
-
-    def agent_loop(self, engine: Any) -> AgentEngine:
-        return AgentEngine(engine, self.tools, self.tokenizer, self.image_processor, self.budget, self.limits)
 
     def rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
         batch, metrics = super().rollouts(replace(ctx, engine=self.agent(ctx.engine)))
