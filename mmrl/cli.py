@@ -168,7 +168,7 @@ def _synth(args: argparse.Namespace) -> int:
 def _quickstart(args: argparse.Namespace) -> int:
     from mmrl.quickstart import run_quickstart
 
-    return run_quickstart(args.out, args.overrides)
+    return run_quickstart(args.out, args.overrides, args.task)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,7 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         "quickstart", help="build a tiny model and a visual task, then train it on this CPU"
     )
     quick.add_argument("--out", default="runs/quickstart", help="folder for the model, data and run")
-    quick.add_argument("overrides", nargs="*", default=[], help="overrides for configs/quickstart.yaml")
+    quick.add_argument(
+        "--task",
+        choices=("colour", "zoom"),
+        default="colour",
+        help="colour: name a shape's colour (configs/quickstart.yaml); zoom: an agent that must call "
+        "image_zoom to read a small mark (configs/quickstart_agent.yaml, --out runs/quickstart_agent)",
+    )
+    quick.add_argument("overrides", nargs="*", default=[], help="overrides for the task's recipe")
     quick.set_defaults(func=_quickstart)
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="action", required=True)

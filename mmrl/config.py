@@ -521,10 +521,10 @@ class Config(_Section):
     def _consistent(self) -> Config:
         if self.env is None and not self.data.train_files:
             raise ValueError("data.train_files is required: name the training data (or add an env section)")
-        if self.env is not None:
-            self._check_env_supported()
         if self.agent is not None:
             self._check_agent_supported()
+        if self.env is not None:
+            self._check_env_supported()
         elif self.algorithm.adv_estimator == "gigpo":
             raise ValueError(
                 "algorithm.adv_estimator=gigpo compares decisions made from the same state across the "
@@ -599,6 +599,8 @@ class Config(_Section):
             raise ValueError(f"an env section (VLA episodes) does not combine with {'; '.join(hit)}")
 
     def _check_agent_supported(self) -> None:
+        """Agent trajectories are generated in the trainer's process, turn by turn."""
+        assert self.agent is not None
         refused = {
             "an env section": self.env is not None,
             "rollout.max_staleness > 0 (agent rollouts run in the trainer's process)": self.rollout.max_staleness
@@ -609,6 +611,12 @@ class Config(_Section):
         if hit:
             raise ValueError(
                 f"an agent section (multi-turn tool calls) does not combine with {'; '.join(hit)}"
+            )
+        vllm_len = self.rollout.vllm.max_model_len
+        if self.rollout.engine != "hf" and self.agent.max_tokens > vllm_len:
+            raise ValueError(
+                f"agent.max_tokens ({self.agent.max_tokens}) exceeds rollout.vllm.max_model_len ({vllm_len}): "
+                "vLLM would refuse a trajectory's later turns. Raise max_model_len or lower agent.max_tokens."
             )
 
     def _check_staleness(self) -> None:

@@ -12,12 +12,15 @@ from rich.table import Table
 from mmrl.config import load_config
 from mmrl.logger import read_metrics
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# task -> its recipe; `zoom` is the agent quickstart: a tool call, then an answer.
+TASKS = {"colour": "quickstart.yaml", "zoom": "quickstart_agent.yaml"}
 
 
-def run_quickstart(out: str, overrides: list[str]) -> int:
+def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
     from mmrl.models import build_tiny
     from mmrl.synthetic import generate
+    from mmrl.synthetic_zoom import generate_zoom
     from mmrl.trainer import Trainer
 
     console = Console()
@@ -27,15 +30,18 @@ def run_quickstart(out: str, overrides: list[str]) -> int:
         console.print(f"building a tiny random-init Qwen2.5-VL in {model_dir}")
         build_tiny(model_dir, seed=0)
     if not (data_dir / "train.jsonl").exists():
-        console.print(f"rendering the synthetic colour task in {data_dir}")
-        generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
+        console.print(f"rendering the synthetic {task} task in {data_dir}")
+        if task == "zoom":
+            generate_zoom(data_dir, n_train=512, n_val=96, seed=0)
+        else:
+            generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
     paths = [
         f"model.path={model_dir}",
         f"data.train_files={data_dir / 'train.jsonl'}",
         f"data.val_files={data_dir / 'val.jsonl'}",
         f"trainer.output_dir={root / 'run'}",
     ]
-    cfg = load_config(CONFIG, paths + list(overrides))
+    cfg = load_config(CONFIGS / TASKS[task], paths + list(overrides))
     if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh
         shutil.rmtree(cfg.run_dir)
     start = time.perf_counter()

@@ -360,3 +360,27 @@ def test_trainer_logprobs_over_a_multi_turn_trajectory_equal_the_engines_and_too
     (-(token_logp * batch["response_mask"]).sum()).backward()
     assert (logits.grad[observation] == 0).all()
     assert (logits.grad[policy].abs().sum(dim=-1) > 0).all()
+
+
+def test_the_example_user_tools_run_in_workers_with_the_trajectorys_images() -> None:
+    """examples/agent_tools: a text result from a box of the original image, and an image result."""
+    root = Path(__file__).resolve().parent.parent / "examples" / "agent_tools" / "tools.py"
+    box_schema = {"type": "object", "properties": {"bbox_2d": {"type": "array"}}, "required": ["bbox_2d"]}
+    specs = [
+        ToolSpec.from_config({"function": f"{root}:region_colour", "parameters": box_schema}),
+        ToolSpec.from_config({"function": f"{root}:high_contrast", "parameters": {"type": "object"}}),
+    ]
+    original = Image.new("RGB", (448, 448), (10, 20, 30))
+    original.paste((200, 100, 0), (224, 0, 448, 224))
+    seen = [SeenImage(original, (112, 112))]
+    tools = ToolBox(specs, timeout_s=30.0, num_workers=1)
+    try:
+        colour, contrast = tools.run(
+            [ToolCall("region_colour", {"bbox_2d": [56, 0, 112, 56]}), ToolCall("high_contrast", {})],
+            [seen, seen],
+        )
+    finally:
+        tools.close()
+    assert colour.parts == ["mean colour: red 200, green 100, blue 0"] and colour.failure is None
+    (image,) = contrast.parts
+    assert isinstance(image, Image.Image) and image.size == (448, 448)

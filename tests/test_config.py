@@ -272,3 +272,18 @@ def test_a_tensor_parallel_engine_must_be_whole_ray_workers_on_one_node() -> Non
 
 def test_an_override_that_is_not_yaml_names_the_override() -> None:
     assert "override 'actor.lr=[1': the value is not valid YAML" in _error(["actor.lr=[1"])
+
+
+def test_an_agent_section_refuses_what_it_cannot_combine_with() -> None:
+    agent = "agent={tools: [{function: image_zoom}]}"
+    cfg = load_config(QUICKSTART, [agent])
+    assert cfg.agent is not None and cfg.agent.tools[0].function == "image_zoom"
+    for extra, message in (
+        (["rollout.max_staleness=1", "actor.rollout_correction=tis"], "max_staleness"),
+        (["algorithm.adv_estimator=remax"], "remax"),
+        (["rollout.engine=vllm", "rollout.vllm.max_model_len=2048"], "agent.max_tokens"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(QUICKSTART, [agent, *extra])
+    with pytest.raises(ConfigError, match="tools"):
+        load_config(QUICKSTART, ["agent={tools: []}"])
