@@ -270,20 +270,17 @@ def _params(n: int = 1, logprobs: bool = False) -> Any:
     return SamplingParams(n=n, max_new_tokens=80, logprobs=logprobs)
 
 
-@pytest.mark.parametrize(
-    ("limits", "ending"),
-    [
-        (AgentLimits(max_turns=1), "max_turns"),  # the turn's call is never answered
-        (AgentLimits(max_images=1), "max_images"),  # the zoom would be a second image
-        (AgentLimits(max_tokens=650), "max_tokens"),  # room for the call, not its reply
-    ],
-)
-def test_a_trajectory_over_a_limit_ends_truncated_and_counted(
-    tiny: Any, limits: AgentLimits, ending: str
-) -> None:
+@pytest.mark.parametrize("ending", ["max_turns", "max_images", "max_tokens"])
+def test_a_trajectory_over_a_limit_ends_truncated_and_counted(tiny: Any, ending: str) -> None:
     _, processor = tiny
-    agent = _agent(tiny, ScriptedEngine(processor.tokenizer), limits)
     prompts = _prompts(tiny, 1)
+    call = len(processor.tokenizer(ZOOM_CALL)["input_ids"]) + 1
+    limits = {
+        "max_turns": AgentLimits(max_turns=1),  # the turn's call is never answered
+        "max_images": AgentLimits(max_images=1),  # the zoom would be a second image
+        "max_tokens": AgentLimits(max_tokens=len(prompts[0].prompt_ids) + call + 8),  # no room for the reply
+    }[ending]
+    agent = _agent(tiny, ScriptedEngine(processor.tokenizer), limits)
     batch = agent.generate(_scripted(prompts, [ZOOM_CALL, "<answer>red</answer>"]), _params())
     assert bool(batch["truncated"][0]) and batch.prompts[0].extra["agent_ending"] == ending
     attention = batch["response_attention"][0].bool()

@@ -141,13 +141,10 @@ class AgentEngine:
         trajectories = [Trajectory.start(p) for p in prompts for _ in range(params.n)]
         turn = replace(params, n=1)
         for round_ in range(self.limits.max_turns):
+            for t in trajectories:
+                if t.ending is None and t.length >= self.limits.max_tokens:
+                    t.ending = "max_tokens"
             live = [t for t in trajectories if t.ending is None]
-            if not live:
-                break
-            room = [self.limits.max_tokens - t.length for t in live]
-            for t in [t for t, r in zip(live, room, strict=True) if r <= 0]:
-                t.ending = "max_tokens"
-            live = [t for t, r in zip(live, room, strict=True) if r > 0]
             if not live:
                 break
             width = min(params.max_new_tokens, max(self.limits.max_tokens - t.length for t in live))
@@ -169,8 +166,8 @@ class AgentEngine:
                 t.ending = "max_tokens"
             t.ids += ids
             t.policy += [1] * len(ids)
-            if params.logprobs:
-                t.logprobs += out["rollout_logprobs"][row][mask].tolist()[: len(ids)]
+            sampled = out["rollout_logprobs"][row][mask].tolist() if params.logprobs else [0.0] * len(ids)
+            t.logprobs += sampled[: len(ids)]
             text = out["response_text"][row]
             t.turns.append(Turn("assistant", text))
             if t.ending is not None:

@@ -36,16 +36,16 @@ SPECIAL_TOKENS = [
 # Plain-text tags the answer formats use; single tokens keep tiny-model responses short.
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
 
-# Qwen's tool preamble: with `tools`, the system turn lists their schemas and the call format.
+# With `tools`, the system turn lists their schemas and the call format, as Qwen's templates do, in
+# fewer words: the tiny tokenizer spells most English words in several tokens, and Qwen's full preamble
+# would make every agent prompt several times longer than its question.
 TOOLS_PREAMBLE = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "Call a tool as <tool_call>\n"
+    '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n'
     "{% endif %}"
 )
 
