@@ -57,7 +57,7 @@ class GalleryItem:
     ground_truth: Any
     reward: float
     components: dict[str, float] = field(default_factory=dict)
-    turns: list[Any] = field(default_factory=list)  # a multi-turn answer's turns (`mmrl.agent.loop.Turn`)
+    turns: list[dict[str, Any]] = field(default_factory=list)  # a multi-turn answer's: role, text, images
 
 
 def frame_strip(frames: np.ndarray) -> Image.Image:
@@ -84,8 +84,8 @@ def write_gallery(run_dir: Path, step: int, items: list[GalleryItem], metrics: d
         response = f'<div class="k">response</div><pre>{html.escape(item.response)}</pre>'
         if item.turns:  # every turn in order: the model's text and tool calls, the tools' text and images
             response = "".join(
-                f'<div class="k">{"model" if t.role == "assistant" else "tool"} (turn {n})</div>'
-                f"<pre>{html.escape(t.text)}</pre>{''.join(tag(image) for image in t.images)}"
+                f'<div class="k">{"model" if t["role"] == "assistant" else "tool"} (turn {n})</div>'
+                f"<pre>{html.escape(t['text'])}</pre>{''.join(tag(image) for image in t['images'])}"
                 for n, t in enumerate(item.turns, start=1)
             )
         parts = ", ".join(f"{html.escape(k)} {v:.2f}" for k, v in item.components.items())

@@ -151,9 +151,9 @@ def zoom_hit(sample: RewardInput, key: str = "target_box") -> float:
         raise ValueError(f"zoom_hit needs the row's target box in column {key!r} as [x1, y1, x2, y2]")
     cx, cy = (target.x1 + target.x2) / 2, (target.y1 + target.y2) / 2
     for turn in sample.extra.get("agent_turns", []):
-        if turn.role != "assistant":
+        if turn["role"] != "assistant":
             continue
-        for found in _ZOOM_BOX.findall(turn.text):
+        for found in _ZOOM_BOX.findall(turn["text"]):
             try:
                 box = make_box(json.loads(found))
             except ValueError:

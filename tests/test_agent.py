@@ -255,12 +255,12 @@ def test_a_trajectory_interleaves_policy_turns_and_tool_responses_with_their_ima
     observation = processor.tokenizer.decode(ids[attention.bool() & ~policy.bool()])
     assert observation.startswith("\n<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|>")
     assert observation.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    assert row.extra["agent_ending"] == "answer" and [t.role for t in row.extra["agent_turns"]] == [
+    assert row.extra["agent_ending"] == "answer" and [t["role"] for t in row.extra["agent_turns"]] == [
         "assistant",
         "tool",
         "assistant",
     ]
-    zoomed = row.extra["agent_turns"][1].images[0]
+    zoomed = row.extra["agent_turns"][1]["images"][0]
     assert zoomed.size == (112, 112)  # the 224-px quadrant sized within the budget
 
 

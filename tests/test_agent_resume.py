@@ -37,7 +37,8 @@ def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
         "actor.lr_schedule=constant",
         "trainer.val_every=0",
         "trainer.val_before_train=false",
-        "warmup.steps=30",
+        "warmup.steps=40",
+        "warmup.lr=1e-2",  # the call format is one fixed string but for the box: learned fast at this rate
         "warmup.batch_size=16",
         "data.train_batch_size=4",
         "actor.mini_batch_size=2",  # two optimizer steps per batch: old log-probs are recomputed

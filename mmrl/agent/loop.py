@@ -247,7 +247,7 @@ class AgentEngine:
             sample = t.sample(t.prompt.prompt_ids)
             sample.extra = {
                 **t.prompt.extra,
-                "agent_turns": t.turns,
+                "agent_turns": [vars(turn) for turn in t.turns],  # plain data: reward workers unpickle it
                 "agent_tool_calls": t.tool_calls,
                 "agent_ending": t.ending,
             }

@@ -45,7 +45,7 @@ TOOLS_PREAMBLE = (
     "# Tools\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
     "Call a tool as <tool_call>\n"
-    '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n'
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
     "{% endif %}"
 )
 

@@ -303,7 +303,7 @@ class PromptSource:
 
 def _prompt_images(sample: RewardInput) -> list[Any]:
     """The images of the prompt itself; a trajectory's later ones are shown with their turns."""
-    later = sum(len(t.images) for t in sample.extra.get("agent_turns", []))
+    later = sum(len(t["images"]) for t in sample.extra.get("agent_turns", []))
     return sample.images[: len(sample.images) - later]
 
 
