@@ -125,6 +125,14 @@ def answer_match(sample: RewardInput) -> float:
     return float(any(normalize_answer(str(item)) == answer for item in accepted if item is not None))
 
 
+@register_grader("answer_with_tool")
+def answer_with_tool(sample: RewardInput) -> float:
+    """1.0 for a correct answer reached after calling a tool (an agent run's `extra["agent_tool_calls"]`),
+    else 0.0: DeepEyes' conditional tool reward. Added to the accuracy reward, it keeps a policy from
+    dropping a tool before the tool has paid off, and never pays for a call that led to a wrong answer."""
+    return answer_match(sample) * float(sample.extra.get("agent_tool_calls", 0) > 0)
+
+
 @register_grader("format_answer")
 def format_answer(sample: RewardInput) -> float:
     """1.0 for a well-formed response, else 0.0.

@@ -381,3 +381,27 @@ def test_the_example_user_tools_run_in_workers_with_the_trajectorys_images() -> 
     assert colour.parts == ["mean colour: red 200, green 100, blue 0"] and colour.failure is None
     (image,) = contrast.parts
     assert isinstance(image, Image.Image) and image.size == (448, 448)
+
+
+def test_the_agent_graders_read_the_turns() -> None:
+    """zoom_hit: a zoom whose box holds the target's centre; answer_with_tool: right, and after a call."""
+    from rewards import RewardInput
+    from rewards.graders import GRADERS
+
+    turns = [
+        {"role": "assistant", "text": ZOOM_CALL, "images": []},
+        {"role": "tool", "text": "", "images": []},
+    ]
+    extra = {"agent_turns": turns, "agent_tool_calls": 1, "target_box": [80, 10, 92, 22]}
+    hit = RewardInput("<answer>red</answer>", ground_truth="red", extra=extra)
+    assert GRADERS["zoom_hit"](hit) == 1.0 and GRADERS["answer_with_tool"](hit) == 1.0
+    miss = RewardInput(
+        "<answer>red</answer>", ground_truth="red", extra={**extra, "target_box": [10, 80, 22, 92]}
+    )
+    assert GRADERS["zoom_hit"](miss) == 0.0
+    wrong = RewardInput("<answer>blue</answer>", ground_truth="red", extra=extra)
+    assert GRADERS["answer_with_tool"](wrong) == 0.0
+    no_call = RewardInput("<answer>red</answer>", ground_truth="red", extra={**extra, "agent_tool_calls": 0})
+    assert GRADERS["answer_with_tool"](no_call) == 0.0
+    with pytest.raises(ValueError, match="target box"):
+        GRADERS["zoom_hit"](RewardInput("x"))
