@@ -127,10 +127,12 @@ def answer_match(sample: RewardInput) -> float:
 
 @register_grader("answer_with_tool")
 def answer_with_tool(sample: RewardInput) -> float:
-    """1.0 for a correct answer reached after calling a tool (an agent run's `extra["agent_tool_calls"]`),
-    else 0.0: DeepEyes' conditional tool reward. Added to the accuracy reward, it keeps a policy from
-    dropping a tool before the tool has paid off, and never pays for a call that led to a wrong answer."""
-    return answer_match(sample) * float(sample.extra.get("agent_tool_calls", 0) > 0)
+    """1.0 for a correct answer reached after a tool call that returned a result (an agent run's
+    `extra["agent_tool_calls_ok"]`), else 0.0: DeepEyes' conditional tool reward. Added to the accuracy
+    reward, it keeps a policy from dropping a tool before the tool has paid off; it never pays for a call
+    that led to a wrong answer, nor for a malformed one (a tiny policy learned to write
+    `<tool_call><answer>red</answer>` for the bonus when any call counted)."""
+    return answer_match(sample) * float(sample.extra.get("agent_tool_calls_ok", 0) > 0)
 
 
 @register_grader("format_answer")

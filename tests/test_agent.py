@@ -241,6 +241,7 @@ def test_a_trajectory_interleaves_policy_turns_and_tool_responses_with_their_ima
     batch = agent.generate(_scripted(prompts, [ZOOM_CALL, "<answer>red</answer>"]), _params())
     assert len(batch) == 2 and batch["group_index"].tolist() == [0, 1]
     assert batch["turns"].tolist() == [2] * 2 and batch["tool_calls"].tolist() == [1] * 2
+    assert batch["tool_calls_ok"].tolist() == [1] * 2
     assert not batch["truncated"].any() and batch["response_text"] == ["<answer>red</answer>"] * 2
     row = batch.prompts[0]
     assert len(row.images) == 2 and row.image_grid_thw.shape == (2, 3)  # the prompt's and the zoom's
@@ -392,7 +393,12 @@ def test_the_agent_graders_read_the_turns() -> None:
         {"role": "assistant", "text": ZOOM_CALL, "images": []},
         {"role": "tool", "text": "", "images": []},
     ]
-    extra = {"agent_turns": turns, "agent_tool_calls": 1, "target_box": [80, 10, 92, 22]}
+    extra = {
+        "agent_turns": turns,
+        "agent_tool_calls": 1,
+        "agent_tool_calls_ok": 1,
+        "target_box": [80, 10, 92, 22],
+    }
     hit = RewardInput("<answer>red</answer>", ground_truth="red", extra=extra)
     assert GRADERS["zoom_hit"](hit) == 1.0 and GRADERS["answer_with_tool"](hit) == 1.0
     miss = RewardInput(
@@ -401,7 +407,9 @@ def test_the_agent_graders_read_the_turns() -> None:
     assert GRADERS["zoom_hit"](miss) == 0.0
     wrong = RewardInput("<answer>blue</answer>", ground_truth="red", extra=extra)
     assert GRADERS["answer_with_tool"](wrong) == 0.0
-    no_call = RewardInput("<answer>red</answer>", ground_truth="red", extra={**extra, "agent_tool_calls": 0})
-    assert GRADERS["answer_with_tool"](no_call) == 0.0
+    malformed = RewardInput(
+        "<answer>red</answer>", ground_truth="red", extra={**extra, "agent_tool_calls_ok": 0}
+    )
+    assert GRADERS["answer_with_tool"](malformed) == 0.0, "only a call that returned a result counts"
     with pytest.raises(ValueError, match="target box"):
         GRADERS["zoom_hit"](RewardInput("x"))

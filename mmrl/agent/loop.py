@@ -71,7 +71,8 @@ class Trajectory:
     pixels: list[torch.Tensor] = field(default_factory=list)
     grids: list[torch.Tensor] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    tool_calls: int = 0
+    tool_calls: int = 0  # every <tool_call> block, malformed ones too
+    tool_calls_ok: int = 0  # those that returned a result
     ending: str | None = None
 
     @classmethod
@@ -187,7 +188,9 @@ class AgentEngine:
         images = [t.seen for t, calls in calling for _ in calls]
         observations = iter(self.tools.run(flat, images))
         for t, calls in calling:
-            self._observe(t, [next(observations).parts for _ in calls])
+            answered = [next(observations) for _ in calls]
+            t.tool_calls_ok += sum(o.failure is None for o in answered)
+            self._observe(t, [o.parts for o in answered])
 
     def _observe(self, t: Trajectory, results: list[list[str | Image.Image]]) -> None:
         """Append one tool-response turn holding every result of the turn's calls, if it fits."""
@@ -249,6 +252,7 @@ class AgentEngine:
                 **t.prompt.extra,
                 "agent_turns": [vars(turn) for turn in t.turns],  # plain data: reward workers unpickle it
                 "agent_tool_calls": t.tool_calls,
+                "agent_tool_calls_ok": t.tool_calls_ok,
                 "agent_ending": t.ending,
             }
             samples.append(sample)
@@ -261,6 +265,7 @@ class AgentEngine:
             "truncated": torch.tensor([t.ending != "answer" for t in trajectories]),
             "turns": torch.tensor([sum(x.role == "assistant" for x in t.turns) for t in trajectories]),
             "tool_calls": torch.tensor([t.tool_calls for t in trajectories]),
+            "tool_calls_ok": torch.tensor([t.tool_calls_ok for t in trajectories]),
         }
         if params.logprobs:
             tensors["rollout_logprobs"] = logprobs

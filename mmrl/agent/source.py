@@ -65,6 +65,7 @@ class AgentSource(PromptSource):
         batch, metrics = super().rollouts(replace(ctx, engine=self.agent(ctx.engine)))
         metrics["agent/turns"] = float(batch["turns"].float().mean())
         metrics["agent/tool_calls"] = float(batch["tool_calls"].float().mean())
+        metrics["agent/tool_calls_ok"] = float(batch["tool_calls_ok"].float().mean())
         endings = [p.extra["agent_ending"] for p in batch.prompts]
         metrics.update({f"agent/ending/{e}": endings.count(e) / len(endings) for e in ENDINGS})
         return batch, metrics
