@@ -606,6 +606,8 @@ class Config(_Section):
             "rollout.max_staleness > 0 (agent rollouts run in the trainer's process)": self.rollout.max_staleness
             > 0,
             "algorithm.adv_estimator remax": self.algorithm.adv_estimator == "remax",
+            "algorithm.overlong_buffer_len (it measures one turn's length; agent.max_tokens limits the whole)": self.algorithm.overlong_buffer_len
+            > 0,
         }
         hit = [name for name, bad in refused.items() if bad]
         if hit:

@@ -571,7 +571,7 @@ def _save_failure(root: Path, step: int, err: OSError) -> str:
 
 def _token_count(batch: Batch) -> int:
     prompt_tokens = sum(len(batch.prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
-    return prompt_tokens + int(batch["response_mask"].sum())
+    return prompt_tokens + int(batch.attention.sum())  # tool responses between turns are computed too
 
 
 def _response_metrics(batch: Batch) -> dict[str, float]:

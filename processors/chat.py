@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -82,7 +83,30 @@ def encode_prompt(
     (JSON schemas) go to the template, which describes them and the call format in the system turn."""
     extra = {"tools": list(tools)} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    if tools and not all(json.dumps(t["function"]["name"]) in text for t in tools):
+        # A template without a tools block (some Qwen-VL checkpoints) ignores `tools`: describe them in
+        # the system turn as Qwen's tool-calling templates do, or the model never learns it has them.
+        text = tokenizer.apply_chat_template(
+            with_tools_described(messages, tools), tokenize=False, add_generation_prompt=True
+        )
     return expand_pads(tokenizer, text, tokens_per_image, tokens_per_video)
+
+
+def with_tools_described(
+    messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """`messages` whose system turn lists `tools` and the `<tool_call>` format, in Qwen's words."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    preamble = (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>"
+        "\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{preamble}"}, *messages[1:]]
+    return [{"role": "system", "content": preamble}, *messages]
 
 
 def expand_pads(

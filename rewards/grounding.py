@@ -156,7 +156,7 @@ def zoom_hit(sample: RewardInput, key: str = "target_box") -> float:
         for found in _ZOOM_BOX.findall(turn["text"]):
             try:
                 box = make_box(json.loads(found))
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if box is not None and box.x1 <= cx <= box.x2 and box.y1 <= cy <= box.y2:
                 return 1.0

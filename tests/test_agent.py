@@ -65,6 +65,28 @@ def test_unreadable_calls_become_errors_in_order() -> None:
     assert third == ToolCall("image_zoom", {"bbox_2d": [56, 0, 112, 56]})
 
 
+def test_a_pathological_call_is_an_error_not_an_exception() -> None:
+    (deep,) = parse_tool_calls("<tool_call>" + "[" * 5000)
+    assert isinstance(deep, CallError)
+
+
+def test_tools_are_described_even_by_a_template_that_ignores_them() -> None:
+    """Some checkpoints' chat templates have no tools block: the tools then go into the system turn."""
+    from mmrl.models.tiny import build_tokenizer
+    from processors import build_messages, encode_prompt
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace("{% if tools %}", "{% if false %}", 1)
+    tools = [ToolSpec.from_config({"function": "calculator"}).schema()]
+    text = tokenizer.decode(
+        encode_prompt(tokenizer, build_messages("2 + 2?", 0, "Be brief."), [], tools=tools)
+    )
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calculator"' in text
+    assert text.count("<|im_start|>system") == 1 and text.endswith(
+        "2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_arguments_are_checked_against_the_schema() -> None:
     schema = ToolSpec.from_config({"function": "image_zoom"}).parameters
     assert check_arguments(schema, {"bbox_2d": [0, 0, 1, 1]}) is None
@@ -83,7 +105,9 @@ def test_calculator_evaluates_arithmetic_and_refuses_anything_else() -> None:
     assert calculator("2^10") == "1024"
     assert calculator("sqrt(2) * sqrt(2)") == "2"
     assert calculator("7 / 2") == "3.5"
-    for bad in ("__import__('os')", "1 / 0", "9 ** 9 ** 9", "x + 1", "(1).__class__"):
+    # Built-ins run in the trainer's process: inputs that would compute for minutes are refused at once.
+    slow = ("9 ** 9 ** 9", "((9 ** 999) ** 999) ** 999", "round(1, -10 ** 9)", "3 ** 2000 * 3 ** 2000")
+    for bad in ("__import__('os')", "1 / 0", "x + 1", "(1).__class__", *slow):
         with pytest.raises(ToolError):
             calculator(bad)
 

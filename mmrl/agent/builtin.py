@@ -75,7 +75,10 @@ _FUNCTIONS: dict[str, Callable[..., float]] = {
     for name in ("sqrt", "sin", "cos", "tan", "asin", "acos", "atan", "log", "exp", "floor", "ceil")
 } | {"abs": abs, "round": round, "radians": math.radians, "degrees": math.degrees}
 _CONSTANTS = {"pi": math.pi, "e": math.e}
-_MAX_EXPONENT = 1000  # 9**9**9 would hang the worker; no answer a model needs is that large
+# Built-ins run in the trainer's process, so no input may take long: 9**9**9 or round(1, -10**9) would
+# compute for minutes. Integers stay within _MAX_BITS (about 1200 digits) and round() within 15 digits.
+_MAX_BITS = 4000
+_MAX_ROUND_DIGITS = 15
 
 
 def calculator(expression: str) -> str:
@@ -95,6 +98,12 @@ def calculator(expression: str) -> str:
     return repr(value)
 
 
+def _bounded(value: Any) -> Any:
+    if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+        raise ToolError(f"the result has more than {_MAX_BITS} bits")
+    return value
+
+
 def _evaluate(node: ast.AST) -> Any:
     if (
         isinstance(node, ast.Constant)
@@ -105,19 +114,22 @@ def _evaluate(node: ast.AST) -> Any:
     if isinstance(node, ast.Name) and node.id in _CONSTANTS:
         return _CONSTANTS[node.id]
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+        return _bounded(_OPERATORS[type(node.op)](_evaluate(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
-            raise ToolError(f"exponent {right} is too large (at most {_MAX_EXPONENT})")
-        return _OPERATORS[type(node.op)](left, right)
+        if isinstance(node.op, ast.Pow) and abs(right) * max(abs(left), 2).bit_length() > _MAX_BITS:
+            raise ToolError(f"the power is too large (over {_MAX_BITS} bits)")
+        return _bounded(_OPERATORS[type(node.op)](left, right))
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in _FUNCTIONS
         and not node.keywords
     ):
-        return _FUNCTIONS[node.func.id](*(_evaluate(arg) for arg in node.args))
+        args = [_evaluate(arg) for arg in node.args]
+        if node.func.id == "round" and len(args) > 1 and abs(args[1]) > _MAX_ROUND_DIGITS:
+            raise ToolError(f"round() takes at most {_MAX_ROUND_DIGITS} digits")
+        return _bounded(_FUNCTIONS[node.func.id](*args))
     raise ToolError(
         f"unsupported expression {ast.unparse(node)!r}: use numbers, + - * / ** %, pi, e, sqrt, ..."
     )

@@ -65,7 +65,7 @@ def _load(text: str) -> Any:
     """JSON, else a Python literal (single quotes, True/None), else None."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a thousand nested brackets overflow the parser's stack
         pass
     try:
         return ast.literal_eval(text)

@@ -205,8 +205,8 @@ class AgentEngine:
                     rgb = item.convert("RGB")
                     fitted.append((rgb, fit_image(rgb, self.budget)))
                     parts.append(None)
-                else:
-                    parts.append(item)
+                else:  # spelled-out control tokens stay text: "<|im_end|>" in a result must not end a turn
+                    parts.append(item.replace("<|", "< |"))
         if len(t.images) + len(fitted) > self.limits.max_images:
             t.ending = "max_images"
             return

@@ -96,7 +96,8 @@ def check_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> str | 
     if missing:
         return f"missing required argument(s) {', '.join(missing)}"
     if schema.get("additionalProperties") is False and (unknown := set(arguments) - set(properties)):
-        return f"unknown argument(s) {', '.join(sorted(unknown))}; the arguments are {', '.join(properties)}"
+        names = ", ".join(sorted(map(str, unknown)))
+        return f"unknown argument(s) {names}; the arguments are {', '.join(properties)}"
     for key, value in arguments.items():
         if key in properties and (problem := _check_value(properties[key], value)):
             return f"argument {key}: {problem}"
@@ -114,8 +115,9 @@ def _check_value(schema: dict[str, Any], value: Any) -> str | None:
     if kind == "array":
         if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
             return f"expected {schema.get('minItems', 0)} to {schema.get('maxItems', 'any')} items, got {len(value)}"
-        for item in value:
-            if problem := _check_value(schema.get("items", {}), item):
+        items = schema.get("items")
+        for item in value if isinstance(items, dict) else ():  # a list of schemas (tuples) is not checked
+            if problem := _check_value(items, item):
                 return f"item {problem}"
     return None
 

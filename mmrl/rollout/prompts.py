@@ -100,12 +100,15 @@ class PromptSource:
         with runs without dynamic sampling."""
         algo, want = self.cfg.algorithm, self.cfg.data.train_batch_size
         metrics: dict[str, Any] = {}
-        kept, filtered, groups = [], 0, 0
+        kept, filtered, groups, shift = [], 0, 0, 0
         for _ in range(algo.max_num_gen_batches):
             batch, round_metrics = self._scored_rollouts(ctx)
             metrics = metrics or round_metrics
             if not algo.dynamic_sampling:
                 return batch, metrics
+            if "group_index" in batch:  # each round numbers its groups from 0: after the last round's
+                batch.set(group_index=batch["group_index"] + shift)
+                shift = int(batch["group_index"].max()) + 1
             informative = informative_groups(batch["scores"], groups_of(batch))
             kept.append(batch.select(informative.nonzero().squeeze(1)))
             filtered += len(groups_of(batch)[~informative].unique())
@@ -120,11 +123,6 @@ class PromptSource:
                 "partial batch, or use a reward that separates responses more finely."
             )
         merged = concat(kept)
-        if "group_index" in merged:  # each round numbers its groups from 0
-            offsets = torch.tensor([0, *(int(b["group_index"].max()) + 1 for b in kept[:-1])]).cumsum(0)
-            merged.set(
-                group_index=torch.cat([b["group_index"] + o for b, o in zip(kept, offsets, strict=True)])
-            )
         chosen = groups_of(merged).unique()[:want]  # surplus groups of the last round are dropped
         merged = merged.select(torch.isin(groups_of(merged), chosen).nonzero().squeeze(1))
         metrics["dynamic_sampling/filtered_groups"] = filtered
