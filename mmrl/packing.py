@@ -26,7 +26,7 @@ class Packed:
     input_ids: torch.Tensor  # (1, N)
     positions: torch.Tensor  # (1, N) for text models; (4, 1, N): text positions, then the mRoPE rows
     index: torch.Tensor  # (B, T): column in N of the state that predicts response token t of row b
-    valid: torch.Tensor  # (B, T): the response token exists (response_mask)
+    valid: torch.Tensor  # (B, T): the response token exists (the batch's attention: `Batch.attention`)
 
 
 def pack(
@@ -41,7 +41,9 @@ def pack(
     keep = attention.bool()
     response = keep[:, prompt_width:]
     if not torch.equal(response, response.cumprod(dim=1).bool()):
-        raise ValueError("padding_free: a response_mask with holes cannot be packed (1s must come first)")
+        raise ValueError(
+            "padding_free: a response attention mask with holes cannot be packed (1s must come first)"
+        )
     text = (keep.long().cumsum(dim=1) - 1)[keep][None]  # 0, 1, ... restarting at every row
     mrope = positions.dim() == 3
     positions = torch.cat([text, positions[:, keep]])[:, None] if mrope else text

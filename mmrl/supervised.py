@@ -48,7 +48,7 @@ def supervised_batch_step(
     mask = batch["response_mask"]
     model.train()
     logp, _ = forward_logprobs(model, batch, pad_id)
-    loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+    loss = -(logp * mask.to(logp.device)).sum() / mask.sum().clamp(min=1)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm is not None:

@@ -66,7 +66,7 @@ class AgentSource(PromptSource):
         metrics["agent/turns"] = float(batch["turns"].float().mean())
         metrics["agent/tool_calls"] = float(batch["tool_calls"].float().mean())
         metrics["agent/tool_calls_ok"] = float(batch["tool_calls_ok"].float().mean())
-        endings = [p.extra["agent_ending"] for p in batch.prompts]
+        endings = [batch.prompts[i].extra["agent_ending"] for i in batch["prompt_index"].tolist()]
         metrics.update({f"agent/ending/{e}": endings.count(e) / len(endings) for e in ENDINGS})
         return batch, metrics
 
