@@ -249,7 +249,9 @@ def test_loader_errors_say_what_is_missing(tmp_path: Path) -> None:
 
     with pytest.raises(FileNotFoundError, match=re.escape("absent.py")):
         load_reward_function(f"{tmp_path / 'absent.py'}:half")
-    with pytest.raises(ValueError, match=r"Did you mean .answer_match.\? Built-in graders: answer_match, .*format_answer") as unknown:
+    with pytest.raises(
+        ValueError, match=r"Did you mean .answer_match.\? Built-in graders: answer_match, .*format_answer"
+    ) as unknown:
         load_reward_function("answer_matsh")
     assert "path/to/file.py:function_name" in str(unknown.value)
     with pytest.raises(ValueError, match=re.escape("my_rewards.py:function_name")):
