@@ -66,6 +66,20 @@ class Batch:
         return [self.select(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
 
 
+def right_pad(
+    rows: Sequence[Sequence[float]], value: float = 0, dtype: torch.dtype = torch.long
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists as a right-padded (B, T) tensor (at least one column) and the mask of their entries: how
+    responses given as token lists become response columns."""
+    width = max(1, max(map(len, rows), default=0))
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        mask[i, : len(row)] = 1
+    return out, mask
+
+
 def concat(batches: Sequence[Batch]) -> Batch:
     """The rows of `batches` in order; prompt lists are joined and each `prompt_index` shifted to match.
 

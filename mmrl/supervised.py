@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mmrl.actor import forward_logprobs
-from mmrl.batch import Batch
+from mmrl.batch import Batch, right_pad
 from mmrl.data import PromptSample
 
 
@@ -23,12 +23,7 @@ def supervised_step(
 ) -> float:
     """Mean token negative log-likelihood of `responses[i]` after prompt `prompts[rows[i]]`; one step,
     its gradient clipped to `max_grad_norm` when given."""
-    width = max(map(len, responses))
-    response = torch.full((len(responses), width), pad_id)
-    mask = torch.zeros((len(responses), width), dtype=torch.long)
-    for i, ids in enumerate(responses):
-        response[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids)] = 1
+    response, mask = right_pad(responses, pad_id)
     batch = Batch(
         tensors={"prompt_index": torch.as_tensor(rows), "response_ids": response, "response_mask": mask},
         prompts=prompts,

@@ -28,7 +28,7 @@ from PIL import Image
 from mmrl.agent.builtin import SeenImage
 from mmrl.agent.calls import parse_tool_calls
 from mmrl.agent.tools import ToolBox
-from mmrl.batch import Batch
+from mmrl.batch import Batch, right_pad
 from mmrl.data import PromptSample
 from mmrl.rollout.base import RolloutEngine, SamplingParams
 from processors import PixelBudget, fit_image, num_image_tokens, pixel_inputs
@@ -232,19 +232,9 @@ class AgentEngine:
     ) -> Batch:
         """One row per trajectory, each with its own prompt sample (all of its images), grouped by the
         prompt it started from (`group_index`)."""
-        width = max(1, max(len(t.ids) for t in trajectories))
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(trajectories), width), pad, dtype=torch.long)
-        policy = torch.zeros((len(trajectories), width), dtype=torch.long)
-        attention = torch.zeros_like(policy)
-        logprobs = torch.zeros((len(trajectories), width))
-        for i, t in enumerate(trajectories):
-            n = len(t.ids)
-            ids[i, :n] = torch.tensor(t.ids, dtype=torch.long)
-            policy[i, :n] = torch.tensor(t.policy, dtype=torch.long)
-            attention[i, :n] = 1
-            if params.logprobs:
-                logprobs[i, :n] = torch.tensor(t.logprobs)
+        ids, attention = right_pad([t.ids for t in trajectories], self.tokenizer.pad_token_id)
+        policy, _ = right_pad([t.policy for t in trajectories])
+        logprobs, _ = right_pad([t.logprobs for t in trajectories], 0.0, torch.float32)
         samples = []
         for t in trajectories:
             sample = t.sample(t.prompt.prompt_ids)

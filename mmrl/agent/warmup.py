@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mmrl.agent.loop import AgentEngine
-from mmrl.batch import Batch
+from mmrl.batch import Batch, right_pad
 from mmrl.config import WarmupConfig
 from mmrl.data import PromptSample
 from mmrl.rollout.base import SamplingParams
@@ -53,12 +53,7 @@ class ScriptedEngine:
             self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
             for t in rows
         ]
-        width = max(map(len, ids))
-        response = torch.full((len(ids), width), self.tokenizer.pad_token_id)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, row in enumerate(ids):
-            response[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = 1
+        response, mask = right_pad(ids, self.tokenizer.pad_token_id)
         batch = Batch(
             tensors={
                 "prompt_index": torch.arange(len(prompts)),
