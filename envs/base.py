@@ -37,6 +37,9 @@ class Env(ABC):
 
     action_dim: int
     max_steps: int
+    # Moves a language policy names by a word, and the action each stands for; a task that has them can
+    # be played turn by turn in a conversation (`agent.game`), not only through action tokens.
+    words: dict[str, np.ndarray] = {}
 
     @abstractmethod
     def reset(self, seed: int | None = None) -> tuple[Obs, Info]:

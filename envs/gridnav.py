@@ -35,6 +35,7 @@ class GridNavEnv(Env):
     frame is the way to go (a policy need not relate two positions it must first find)."""
 
     action_dim = 2
+    words = {move: np.array([dc, dr], dtype=float) for move, (dr, dc) in MOVES.items()}  # x is the column
 
     def __init__(
         self,

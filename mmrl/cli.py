@@ -230,10 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--out", default="runs/quickstart", help="folder for the model, data and run")
     quick.add_argument(
         "--task",
-        choices=("colour", "zoom"),
+        choices=("colour", "zoom", "game"),
         default="colour",
         help="colour: name a shape's colour (configs/quickstart.yaml); zoom: an agent that must call "
-        "image_zoom to read a small mark (configs/quickstart_agent.yaml, --out runs/quickstart_agent)",
+        "image_zoom to read a small mark (configs/quickstart_agent.yaml, --out runs/quickstart_agent); "
+        "game: walk to a coloured cell of a grid, a frame each turn (configs/quickstart_game.yaml)",
     )
     quick.add_argument("overrides", nargs="*", default=[], help="overrides for the task's recipe")
     quick.set_defaults(func=_quickstart)

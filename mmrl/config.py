@@ -420,11 +420,20 @@ class ToolConfig(_Section):
     )
 
 
-class AgentConfig(_Section):
-    """Multi-turn rollouts with tool calls (`mmrl.agent`): each prompt's answer may call tools, whose
-    results (text or images) come back as the next turn, until an answer or a limit."""
+class GameConfig(_Section):
+    """An `envs/` task played turn by turn (`mmrl.agent.game`): the rows are its first frames with seeds."""
 
-    tools: list[ToolConfig] = Field(min_length=1)
+    task: str = Field(description="A registered env that names its moves (gridnav)")
+    options: dict[str, Any] = Field({}, description="The env's keyword arguments, as the rows were written")
+
+
+class AgentConfig(_Section):
+    """Multi-turn rollouts (`mmrl.agent`): each prompt's answer may call tools, whose results (text or
+    images) come back as the next turn, until an answer or a limit; or, with `game`, each answer is a
+    move and the env's next frame is the next turn."""
+
+    tools: list[ToolConfig] = Field([], description="What the model may call (none in a game)")
+    game: GameConfig | None = None
     max_turns: int = Field(4, gt=0, description="Assistant turns per trajectory")
     max_tokens: int = Field(4096, gt=0, description="Tokens per trajectory: the prompt and every turn")
     max_images: int = Field(8, gt=0, description="Images per trajectory: the prompt's and the tools'")
@@ -611,8 +620,11 @@ class Config(_Section):
         }
         hit = [name for name, bad in refused.items() if bad]
         if hit:
+            raise ValueError(f"an agent section (multi-turn rollouts) does not combine with {'; '.join(hit)}")
+        if bool(self.agent.tools) == (self.agent.game is not None):
             raise ValueError(
-                f"an agent section (multi-turn tool calls) does not combine with {'; '.join(hit)}"
+                "an agent section needs either agent.tools (tool calls) or agent.game (an env played turn by "
+                "turn), not both and not neither"
             )
         vllm_len = self.rollout.vllm.max_model_len
         if self.rollout.engine != "hf" and self.agent.max_tokens > vllm_len:

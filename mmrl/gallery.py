@@ -84,7 +84,7 @@ def write_gallery(run_dir: Path, step: int, items: list[GalleryItem], metrics: d
         response = f'<div class="k">response</div><pre>{html.escape(item.response)}</pre>'
         if item.turns:  # every turn in order: the model's text and tool calls, the tools' text and images
             response = "".join(
-                f'<div class="k">{"model" if t["role"] == "assistant" else "tool"} (turn {n})</div>'
+                f'<div class="k">{"model" if t["role"] == "assistant" else t["role"]} (turn {n})</div>'
                 f"<pre>{html.escape(t['text'])}</pre>{''.join(tag(image) for image in t['images'])}"
                 for n, t in enumerate(item.turns, start=1)
             )

@@ -13,11 +13,14 @@ from mmrl.config import load_config
 from mmrl.logger import read_metrics
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-# task -> its recipe; `zoom` is the agent quickstart: a tool call, then an answer.
-TASKS = {"colour": "quickstart.yaml", "zoom": "quickstart_agent.yaml"}
+# task -> its recipe; `zoom` is the agent quickstart (a tool call, then an answer), `game` a grid game
+# played over several turns, each move answered by the next frame.
+TASKS = {"colour": "quickstart.yaml", "zoom": "quickstart_agent.yaml", "game": "quickstart_game.yaml"}
+GAME_SEEDS = {"train": list(range(4096)), "val": list(range(1_000_000, 1_000_100))}
 
 
 def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
+    from mmrl.agent.game import write_game_rows
     from mmrl.models import build_tiny
     from mmrl.synthetic import generate
     from mmrl.synthetic_zoom import generate_zoom
@@ -29,19 +32,16 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
     if not (model_dir / "config.json").exists():
         console.print(f"building a tiny random-init Qwen2.5-VL in {model_dir}")
         build_tiny(model_dir, seed=0)
+    cfg = load_config(CONFIGS / TASKS[task], [*paths(root, model_dir, data_dir), *overrides])
     if not (data_dir / "train.jsonl").exists():
         console.print(f"rendering the synthetic {task} task in {data_dir}")
-        if task == "zoom":
+        if task == "game":
+            assert cfg.agent is not None and cfg.agent.game is not None
+            write_game_rows(data_dir, cfg.agent.game.task, cfg.agent.game.options, GAME_SEEDS)
+        elif task == "zoom":
             generate_zoom(data_dir, n_train=512, n_val=96, seed=0)
         else:
             generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
-    paths = [
-        f"model.path={model_dir}",
-        f"data.train_files={data_dir / 'train.jsonl'}",
-        f"data.val_files={data_dir / 'val.jsonl'}",
-        f"trainer.output_dir={root / 'run'}",
-    ]
-    cfg = load_config(CONFIGS / TASKS[task], paths + list(overrides))
     if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh
         shutil.rmtree(cfg.run_dir)
     start = time.perf_counter()
@@ -49,6 +49,16 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
     wall = time.perf_counter() - start
     summarise(console, cfg.run_dir, wall)
     return 0
+
+
+def paths(root: Path, model_dir: Path, data_dir: Path) -> list[str]:
+    """The overrides that point a quickstart recipe at its folder."""
+    return [
+        f"model.path={model_dir}",
+        f"data.train_files={data_dir / 'train.jsonl'}",
+        f"data.val_files={data_dir / 'val.jsonl'}",
+        f"trainer.output_dir={root / 'run'}",
+    ]
 
 
 def summarise(console: Console, run_dir: Path, wall_s: float) -> None:

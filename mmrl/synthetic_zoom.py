@@ -38,16 +38,17 @@ def draw(rng: np.random.Generator, answer: str, quadrant: int) -> tuple[Image.Im
     pixels = rng.integers(118, 139, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)
     pixels[:] = np.clip(pixels.astype(int) + 60, 0, 255).astype(np.uint8)  # a light background
     margin = 8
-    x = (quadrant % 2) * half + int(rng.integers(margin, half - MARK - margin))
-    y = (quadrant // 2) * half + int(rng.integers(margin, half - MARK - margin))
+    # Even coordinates: a crop from any box (its edges land on multiples of 4 here) shrunk 2x keeps every
+    # stripe a pure colour, where an odd start would blend the pairs to a third of their contrast.
+    x = (quadrant % 2) * half + int(rng.integers(margin, half - MARK - margin)) // 2 * 2
+    y = (quadrant // 2) * half + int(rng.integers(margin, half - MARK - margin)) // 2 * 2
     first, second = PAIRS[answer]
-    vertical = bool(rng.integers(2))
     index = np.arange(MARK) // STRIPE % 2
-    stripes = np.where((index[None, :] if vertical else index[:, None])[..., None] == 0, first, second)
+    stripes = np.where(index[None, :, None] == 0, first, second)  # vertical stripes
     pixels[y : y + MARK, x : x + MARK] = np.broadcast_to(stripes, (MARK, MARK, 3))
     scale = MODEL_SIZE / IMAGE_SIZE
     target = [round(v * scale, 1) for v in (x, y, x + MARK, y + MARK)]
-    params = {"x": x, "y": y, "vertical": vertical, "quadrant": quadrant, "target_box": target}
+    params = {"x": x, "y": y, "quadrant": quadrant, "target_box": target}
     return Image.fromarray(pixels), params
 
 

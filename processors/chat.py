@@ -129,6 +129,14 @@ def _expand(pad: str, item: int | str) -> str:
     return item if isinstance(item, str) else pad * item
 
 
+def user_turn_text(parts: Sequence[str | None]) -> str:
+    """The chat text of a user turn after an assistant turn (an environment's observation), up to the next
+    assistant turn's header; None stands for an image (one pad, expanded by `expand_pads`)."""
+    image = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
+    body = "".join(image if part is None else part for part in parts)
+    return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def tool_response_text(parts: Sequence[str | None]) -> str:
     """The chat text of one tool-result turn after an assistant turn, up to the next assistant turn's
     header, in the Qwen format every supported family uses: a user turn of `<tool_response>` blocks.

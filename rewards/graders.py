@@ -135,6 +135,27 @@ def answer_with_tool(sample: RewardInput) -> float:
     return answer_match(sample) * float(sample.extra.get("agent_tool_calls_ok", 0) > 0)
 
 
+def _game_outcome(sample: RewardInput, key: str) -> float:
+    if key not in sample.extra:
+        raise ValueError(
+            f"{key} grades games (`agent.game`): the row's trajectory carries no episode outcome; use it "
+            "only in runs that play an env turn by turn"
+        )
+    return float(sample.extra[key])
+
+
+@register_grader("env_success")
+def env_success(sample: RewardInput) -> float:
+    """1.0 if the game's episode succeeded (`mmrl.agent.game`), else 0.0."""
+    return _game_outcome(sample, "env_success")
+
+
+@register_grader("env_return")
+def env_return(sample: RewardInput) -> float:
+    """The game's episode return: the env's rewards summed over its moves (`mmrl.agent.game`)."""
+    return _game_outcome(sample, "env_return")
+
+
 @register_grader("format_answer")
 def format_answer(sample: RewardInput) -> float:
     """1.0 for a well-formed response, else 0.0.

@@ -22,6 +22,7 @@ from mmrl.agent import (
     ToolBox,
     ToolCall,
     ToolError,
+    ToolResponder,
     ToolSpec,
     calculator,
     check_arguments,
@@ -250,7 +251,7 @@ def _agent(tiny: Any, engine: Any, limits: AgentLimits | None = None) -> AgentEn
     model, processor = tiny
     box = ToolBox([ToolSpec.from_config({"function": "image_zoom"})])
     return AgentEngine(
-        engine, box, processor.tokenizer, processor.image_processor, _budget(model), limits or AgentLimits()
+        engine, ToolResponder(box), processor.tokenizer, processor.image_processor, _budget(model), limits or AgentLimits()
     )
 
 

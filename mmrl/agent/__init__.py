@@ -3,7 +3,7 @@ runs them in lockstep over any rollout engine (`mmrl.agent.loop`)."""
 
 from mmrl.agent.builtin import BUILTIN_TOOLS, SeenImage, ToolError, calculator, image_zoom
 from mmrl.agent.calls import CallError, ToolCall, parse_tool_calls
-from mmrl.agent.loop import AgentEngine, AgentLimits, Trajectory, Turn
+from mmrl.agent.loop import AgentEngine, AgentLimits, Responder, ToolResponder, Trajectory, Turn
 from mmrl.agent.tools import Observation, ToolBox, ToolSpec, check_arguments
 
 __all__ = [
@@ -12,10 +12,12 @@ __all__ = [
     "AgentLimits",
     "CallError",
     "Observation",
+    "Responder",
     "SeenImage",
     "ToolBox",
     "ToolCall",
     "ToolError",
+    "ToolResponder",
     "ToolSpec",
     "Trajectory",
     "Turn",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
@@ -37,8 +37,9 @@ from rewards import ImageSize
 
 log = logging.getLogger("mmrl.agent")
 
-# How a trajectory ended; all but "answer" count as truncated.
-ENDINGS = ("answer", "max_turns", "max_tokens", "max_images", "turn_length")
+# How a trajectory ended: its answer, a game's episode ending ("done"), or a limit (truncated).
+ENDINGS = ("answer", "done", "env_steps", "max_turns", "max_tokens", "max_images", "turn_length")
+FINISHED = ("answer", "done")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     tool_calls: int = 0  # every <tool_call> block, malformed ones too
     tool_calls_ok: int = 0  # those that returned a result
+    outcome: dict[str, Any] = field(default_factory=dict)  # the responder's, for rewards (`extra`)
     ending: str | None = None
 
     @classmethod
@@ -109,6 +111,58 @@ class Trajectory:
         return next((t.text for t in reversed(self.turns) if t.role == "assistant"), "")
 
 
+# A responder's reply to one assistant turn: the results to show the model as the next turn (each a list
+# of text and images), or the ending that closes the trajectory instead.
+Reply = list[list[str | Image.Image]] | str
+
+
+class Responder(Protocol):
+    """What answers the policy's turns: tools, or a game's environment."""
+
+    role: str  # the reply turns' role, as the gallery names them
+
+    def begin(self, trajectories: list[Trajectory]) -> None:
+        """Called once with every trajectory of a `generate` call, before its first turn."""
+
+    def respond(self, trajectories: list[Trajectory], last: bool) -> list[Reply]:
+        """One reply to each trajectory's latest assistant turn (`turns[-1].text`); in the `last` round no
+        turn would follow, so a reply is an ending."""
+
+    def turn_text(self, parts: list[str | None]) -> str:
+        """The chat text of a reply turn, up to the next assistant header; None stands for an image."""
+
+
+class ToolResponder:
+    """Tool calls in the turn are run (`mmrl.agent.tools.ToolBox`) and their results are the reply; a
+    turn without one is the answer."""
+
+    role = "tool"
+
+    def __init__(self, tools: ToolBox) -> None:
+        self.tools = tools
+
+    def begin(self, trajectories: list[Trajectory]) -> None:
+        """Tools keep no state per trajectory."""
+
+    def respond(self, trajectories: list[Trajectory], last: bool) -> list[Reply]:
+        parsed = [parse_tool_calls(t.turns[-1].text) for t in trajectories]
+        calling = [i for i, calls in enumerate(parsed) if calls and not last]
+        for i in calling:
+            trajectories[i].tool_calls += len(parsed[i])
+        flat = [call for i in calling for call in parsed[i]]
+        images = [trajectories[i].seen for i in calling for _ in parsed[i]]
+        observations = iter(self.tools.run(flat, images) if flat else [])
+        replies: list[Reply] = ["max_turns" if calls else "answer" for calls in parsed]
+        for i in calling:
+            answered = [next(observations) for _ in parsed[i]]
+            trajectories[i].tool_calls_ok += sum(o.failure is None for o in answered)
+            replies[i] = [o.parts for o in answered]
+        return replies
+
+    def turn_text(self, parts: list[str | None]) -> str:
+        return tool_response_text(parts)
+
+
 def _split_patches(pixel_values: torch.Tensor, grids: list[torch.Tensor]) -> list[torch.Tensor]:
     sizes = [int(g.prod()) for g in grids]
     return list(pixel_values.split(sizes))
@@ -119,19 +173,20 @@ def _size(seen: SeenImage) -> ImageSize:
 
 
 class AgentEngine:
-    """A rollout engine whose responses are multi-turn trajectories with tool calls (see the module)."""
+    """A rollout engine whose responses are multi-turn trajectories, each turn answered by `responder`
+    (tool calls or a game; see the module)."""
 
     def __init__(
         self,
         engine: RolloutEngine,
-        tools: ToolBox,
+        responder: Responder,
         tokenizer: Any,
         image_processor: Any,
         budget: PixelBudget | None,
         limits: AgentLimits,
     ) -> None:
         self.engine = engine
-        self.tools = tools
+        self.responder = responder
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.budget = budget
@@ -140,6 +195,7 @@ class AgentEngine:
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
         trajectories = [Trajectory.start(p) for p in prompts for _ in range(params.n)]
+        self.responder.begin(trajectories)
         turn = replace(params, n=1)
         for round_ in range(self.limits.max_turns):
             for t in trajectories:
@@ -156,9 +212,9 @@ class AgentEngine:
         return self._batch(prompts, trajectories, params)
 
     def _extend(self, live: list[Trajectory], out: Batch, params: SamplingParams, last: bool) -> None:
-        """Append each trajectory's new turn, run the round's tool calls, and append their results; in
-        the `last` round a call ends the trajectory instead (no turn would read its result)."""
-        calling: list[tuple[Trajectory, list[Any]]] = []
+        """Append each trajectory's new turn, then the responder's reply to it; in the `last` round a
+        turn that would be answered ends the trajectory instead (no turn would read the reply)."""
+        answered: list[Trajectory] = []
         for row, t in enumerate(live):
             mask = out["response_mask"][row].bool()
             ids = out["response_ids"][row][mask].tolist()
@@ -169,31 +225,19 @@ class AgentEngine:
             t.policy += [1] * len(ids)
             sampled = out["rollout_logprobs"][row][mask].tolist() if params.logprobs else [0.0] * len(ids)
             t.logprobs += sampled[: len(ids)]
-            text = out["response_text"][row]
-            t.turns.append(Turn("assistant", text))
-            if t.ending is not None:
-                continue
-            if bool(out["truncated"][row]):
+            t.turns.append(Turn("assistant", out["response_text"][row]))
+            if t.ending is None and bool(out["truncated"][row]):
                 t.ending = "turn_length"
-                continue
-            calls = parse_tool_calls(text)
-            if not calls or last:
-                t.ending = "max_turns" if calls else "answer"
-                continue
-            t.tool_calls += len(calls)
-            calling.append((t, calls))
-        if not calling:
-            return
-        flat = [call for _, calls in calling for call in calls]
-        images = [t.seen for t, calls in calling for _ in calls]
-        observations = iter(self.tools.run(flat, images))
-        for t, calls in calling:
-            answered = [next(observations) for _ in calls]
-            t.tool_calls_ok += sum(o.failure is None for o in answered)
-            self._observe(t, [o.parts for o in answered])
+            if t.ending is None:
+                answered.append(t)
+        for t, reply in zip(answered, self.responder.respond(answered, last), strict=True):
+            if isinstance(reply, str):
+                t.ending = reply
+            else:
+                self._observe(t, reply)
 
     def _observe(self, t: Trajectory, results: list[list[str | Image.Image]]) -> None:
-        """Append one tool-response turn holding every result of the turn's calls, if it fits."""
+        """Append one turn holding every part of the reply (text and images), if it fits."""
         parts: list[str | None] = []
         fitted: list[tuple[Image.Image, Image.Image]] = []
         for result in results:
@@ -211,7 +255,7 @@ class AgentEngine:
             t.ending = "max_images"
             return
         counts = [num_image_tokens(f.height, f.width, self.budget) for _, f in fitted] if fitted else []
-        ids = expand_pads(self.tokenizer, tool_response_text(parts), counts)
+        ids = expand_pads(self.tokenizer, self.responder.turn_text(parts), counts)
         if t.length + len(ids) >= self.limits.max_tokens:  # and no room left for an answer after it
             t.ending = "max_tokens"
             return
@@ -225,7 +269,7 @@ class AgentEngine:
             t.pixels.append(inputs["pixel_values"])
             t.grids.append(inputs["image_grid_thw"])
         shown = [p if p is not None else "<image>" for p in parts]
-        t.turns.append(Turn("tool", "\n".join(shown), [f for _, f in fitted]))
+        t.turns.append(Turn(self.responder.role, "\n".join(shown), [f for _, f in fitted]))
 
     def _batch(
         self, prompts: list[PromptSample], trajectories: list[Trajectory], params: SamplingParams
@@ -244,6 +288,7 @@ class AgentEngine:
                 "agent_tool_calls": t.tool_calls,
                 "agent_tool_calls_ok": t.tool_calls_ok,
                 "agent_ending": t.ending,
+                **t.outcome,
             }
             samples.append(sample)
         tensors = {
@@ -252,7 +297,7 @@ class AgentEngine:
             "response_ids": ids,
             "response_mask": policy,
             "response_attention": attention,
-            "truncated": torch.tensor([t.ending != "answer" for t in trajectories]),
+            "truncated": torch.tensor([t.ending not in FINISHED for t in trajectories]),
             "turns": torch.tensor([sum(x.role == "assistant" for x in t.turns) for t in trajectories]),
             "tool_calls": torch.tensor([t.tool_calls for t in trajectories]),
             "tool_calls_ok": torch.tensor([t.tool_calls_ok for t in trajectories]),

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mmrl.agent.loop import ENDINGS, AgentEngine, AgentLimits
+from mmrl.agent.game import GAME_OUTCOMES, GameResponder
+from mmrl.agent.loop import ENDINGS, AgentEngine, AgentLimits, Responder, ToolResponder
 from mmrl.agent.tools import ToolBox, ToolSpec
 from mmrl.agent.warmup import agent_warmup
 from mmrl.batch import Batch
@@ -24,14 +25,17 @@ from mmrl.rollout.source import StepContext
 
 
 class AgentLoops:
-    """Makes the run's agent loop (`agent` section: tools, limits) over a given engine: training's,
-    `mmrl eval`'s, or the warm-up's script. Owns the tools; `close` stops their workers."""
+    """Makes the run's agent loop (`agent` section: tools or a game, limits) over a given engine:
+    training's, `mmrl eval`'s, or the warm-up's script. Owns the tools; `close` stops their workers."""
 
     def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
         a = cfg.agent
         assert a is not None
         self.tools = ToolBox(
             [ToolSpec.from_config(t.model_dump()) for t in a.tools], a.tool_timeout_s, a.tool_workers
+        )
+        self.responder: Responder = (
+            GameResponder(a.game.task, a.game.options) if a.game is not None else ToolResponder(self.tools)
         )
         self.limits = AgentLimits(a.max_turns, a.max_tokens, a.max_images)
         self.tokenizer = tokenizer_of(processor)
@@ -40,10 +44,12 @@ class AgentLoops:
         self.budget = image_budget(cfg.data, model_config) if takes_images else None
 
     def __call__(self, engine: Any) -> AgentEngine:
-        return AgentEngine(engine, self.tools, self.tokenizer, self.image_processor, self.budget, self.limits)
+        return AgentEngine(engine, self.responder, self.tokenizer, self.image_processor, self.budget, self.limits)
 
     def close(self) -> None:
         self.tools.close()
+        if isinstance(self.responder, GameResponder):
+            self.responder.close()
 
 
 class AgentSource(PromptSource):
@@ -66,8 +72,11 @@ class AgentSource(PromptSource):
         metrics["agent/turns"] = float(batch["turns"].float().mean())
         metrics["agent/tool_calls"] = float(batch["tool_calls"].float().mean())
         metrics["agent/tool_calls_ok"] = float(batch["tool_calls_ok"].float().mean())
-        endings = [batch.prompts[i].extra["agent_ending"] for i in batch["prompt_index"].tolist()]
+        extras = [batch.prompts[i].extra for i in batch["prompt_index"].tolist()]
+        endings = [extra["agent_ending"] for extra in extras]
         metrics.update({f"agent/ending/{e}": endings.count(e) / len(endings) for e in ENDINGS})
+        for key in GAME_OUTCOMES if self.cfg.agent.game is not None else ():
+            metrics[f"game/{key.removeprefix('env_')}"] = sum(float(e[key]) for e in extras) / len(extras)
         return batch, metrics
 
     def metrics(self, batch: Batch) -> dict[str, Any]:
@@ -87,5 +96,5 @@ class AgentSource(PromptSource):
         return agent_warmup(model, self.agent_loop, samples, self.cfg.warmup, seed, tokenizer)
 
     def close(self) -> None:
-        self.tools.close()
+        self.agent_loop.close()
         super().close()

@@ -75,13 +75,16 @@ class ScriptedEngine:
 
 
 def scripts(cfg: WarmupConfig, answers: list[str], count: int, rng: np.random.Generator) -> list[Script]:
-    """`count` scripts: `cfg.turns` with {answer} and every `cfg.fill` key drawn independently."""
+    """`count` scripts: `cfg.turns` with {answer} (one per script) and every `cfg.fill` key drawn independently."""
     assert cfg.turns is not None
     out = []
     for _ in range(count):
-        values = {key: str(rng.choice(options)) for key, options in cfg.fill.items()}
-        values["answer"] = str(rng.choice(answers))
-        out.append(Script([_fill(turn, values) for turn in cfg.turns]))
+        answer = str(rng.choice(answers))
+        turns = []
+        for turn in cfg.turns:  # fills are drawn afresh each turn: a game's scripted moves differ
+            values = {key: str(rng.choice(options)) for key, options in cfg.fill.items()}
+            turns.append(_fill(turn, {**values, "answer": answer}))
+        out.append(Script(turns))
     return out
 
 

@@ -1,0 +1,149 @@
+"""Games (`mmrl.agent.game`): an env played turn by turn, each frame the next user turn.
+
+Trajectories are driven by scripted turns (`ScriptedEngine`) through the real agent loop and the real
+gridnav env, so the rows, rewards and endings checked here are what a training run sees."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from envs.gridnav import GridNavEnv, gridnav_expert
+from mmrl.agent import AgentEngine, AgentLimits
+from mmrl.agent.game import GameResponder, parse_move, write_game_rows
+from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
+from mmrl.data import PromptSample, with_pixels
+from mmrl.rollout import SamplingParams
+from processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
+
+OPTIONS = {"image_size": 56, "size": 3, "walls": 0, "max_steps": 6, "view": "agent"}
+BUDGET = PixelBudget(56 * 56, 56 * 56)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model_dir: Path) -> Any:
+    from mmrl.models import load_processor
+
+    return load_processor(tiny_model_dir)
+
+
+def _prompt(processor: Any, seed: int, options: dict[str, Any] = OPTIONS) -> PromptSample:
+    obs, _ = GridNavEnv(**options).reset(seed=seed)
+    image = Image.fromarray(obs["image"])
+    text = f"<image>{obs['instruction']}"
+    ids = encode_prompt(processor.tokenizer, build_messages(text, 1), [num_image_tokens(56, 56, BUDGET)])
+    sample = PromptSample(seed, ids, text, "success", images=[image], extra={"seed": seed})
+    return with_pixels(sample, [], processor.image_processor, None)
+
+
+def _expert_moves(seed: int) -> list[str]:
+    """The shortest path's moves from `seed`'s start, as words."""
+    env, moves, done = GridNavEnv(**OPTIONS), [], False
+    env.reset(seed=seed)
+    while not done:
+        action = gridnav_expert(env)
+        moves.append(next(w for w, a in env.words.items() if np.array_equal(a, action)))
+        *_, terminated, truncated, _ = env.step(action)
+        done = terminated or truncated
+    return moves
+
+
+def _play(processor: Any, prompts: list[PromptSample], turns: list[list[str]], limits: AgentLimits) -> Any:
+    scripted = [replace(p, extra={**p.extra, SCRIPT: Script(t)}) for p, t in zip(prompts, turns, strict=True)]
+    agent = AgentEngine(
+        ScriptedEngine(processor.tokenizer),
+        GameResponder("gridnav", OPTIONS),
+        processor.tokenizer,
+        processor.image_processor,
+        BUDGET,
+        limits,
+    )
+    return agent.generate(scripted, SamplingParams(n=1, max_new_tokens=8))
+
+
+def test_moves_are_read_from_an_answer_block_or_the_bare_turn() -> None:
+    words = GridNavEnv.words
+    assert parse_move("<answer>Up</answer>", words) == "up"
+    assert parse_move(" left.\n", words) == "left"
+    assert parse_move("I go down", words) is None and parse_move("<answer></answer>", words) is None
+
+
+def test_the_experts_moves_win_and_every_frame_comes_back_as_a_user_turn(processor: Any) -> None:
+    seeds = [3, 4]
+    moves = [_expert_moves(s) for s in seeds]
+    assert all(2 <= len(m) < 6 for m in moves), moves
+    batch = _play(processor, [_prompt(processor, s) for s in seeds], moves, AgentLimits(6, 512, 7))
+    for row, seed_moves in enumerate(moves):
+        extra = batch.prompts[row].extra
+        assert extra["agent_ending"] == "done" and not bool(batch["truncated"][row])
+        assert extra["env_success"] == 1.0 and extra["env_return"] == 1.0
+        assert extra["env_steps"] == len(seed_moves) and extra["env_invalid"] == 0
+        roles = [t["role"] for t in extra["agent_turns"]]
+        assert roles == ["assistant", "user"] * (len(seed_moves) - 1) + ["assistant"]
+        # one frame per turn: the start's and one after each move but the last, all in the row's sample
+        assert len(batch.prompts[row].images) == len(seed_moves)
+        assert int(batch.prompts[row].image_grid_thw.shape[0]) == len(seed_moves)
+        # only the moves train: one word and the end-of-turn token each
+        policy = batch["response_mask"][row].sum().item()
+        observed = batch["response_attention"][row].sum().item() - policy
+        assert policy == sum(len(processor.tokenizer(m)["input_ids"]) + 1 for m in seed_moves) and observed > 0
+
+
+def test_a_turn_that_names_no_move_is_counted_answered_and_the_env_does_not_step(processor: Any) -> None:
+    seed = 3
+    moves = _expert_moves(seed)
+    batch = _play(processor, [_prompt(processor, seed)], [["jump", *moves]], AgentLimits(6, 512, 7))
+    extra = batch.prompts[0].extra
+    assert extra["env_invalid"] == 1 and extra["env_steps"] == len(moves) and extra["env_success"] == 1.0
+    assert "not a move" in extra["agent_turns"][1]["text"] and not extra["agent_turns"][1]["images"]
+
+
+def test_an_episode_cut_by_the_env_or_the_turn_limit_is_truncated(processor: Any) -> None:
+    seed = 3
+    wall = "up"  # find a move that stays put at the start: the episode runs until the env's limit
+    env = GridNavEnv(**OPTIONS)
+    env.reset(seed=seed)
+    for word, action in env.words.items():
+        probe = GridNavEnv(**OPTIONS)
+        probe.reset(seed=seed)
+        probe.step(action)
+        if probe.agent == env.agent:
+            wall = word
+            break
+    else:
+        pytest.skip("seed 3's start has no wall next to it")
+    long = _play(processor, [_prompt(processor, seed)], [[wall] * 8], AgentLimits(8, 512, 9))
+    short = _play(processor, [_prompt(processor, seed)], [[wall] * 8], AgentLimits(2, 512, 9))
+    assert long.prompts[0].extra["agent_ending"] == "env_steps" and long.prompts[0].extra["env_steps"] == 6
+    assert short.prompts[0].extra["agent_ending"] == "max_turns" and short.prompts[0].extra["env_steps"] == 2
+    assert bool(long["truncated"][0]) and bool(short["truncated"][0])
+    assert long.prompts[0].extra["env_success"] == 0.0
+
+
+def test_rows_written_with_other_env_options_or_without_a_seed_are_refused(processor: Any) -> None:
+    other = _prompt(processor, 3, {**OPTIONS, "size": 4})
+    with pytest.raises(ValueError, match="does not draw the row's image"):
+        _play(processor, [other], [["up"]], AgentLimits(2, 512, 3))
+    seedless = replace(_prompt(processor, 3), extra={})
+    with pytest.raises(ValueError, match="no `seed` column"):
+        _play(processor, [seedless], [["up"]], AgentLimits(2, 512, 3))
+
+
+def test_an_env_without_move_words_cannot_be_a_game() -> None:
+    with pytest.raises(ValueError, match="names no moves"):
+        GameResponder("reach", {})
+
+
+def test_written_rows_hold_each_seeds_first_frame(tmp_path: Path) -> None:
+    write_game_rows(tmp_path, "gridnav", OPTIONS, {"train": [0, 1], "val": [1_000_000]})
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [0, 1] and len((tmp_path / "val.jsonl").read_text().splitlines()) == 1
+    obs, _ = GridNavEnv(**OPTIONS).reset(seed=1)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / rows[1]["images"][0])), obs["image"])
+    assert "up, down, left, right" in rows[1]["problem"] and obs["instruction"] in rows[1]["problem"]
