@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import Any, TypedDict
+from typing import Any, ClassVar, TypedDict
 
 import numpy as np
 
@@ -39,7 +39,7 @@ class Env(ABC):
     max_steps: int
     # Moves a language policy names by a word, and the action each stands for; a task that has them can
     # be played turn by turn in a conversation (`agent.game`), not only through action tokens.
-    words: dict[str, np.ndarray] = {}
+    words: ClassVar[dict[str, np.ndarray]] = {}
 
     @abstractmethod
     def reset(self, seed: int | None = None) -> tuple[Obs, Info]:

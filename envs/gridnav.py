@@ -9,6 +9,7 @@ with numpy alone: no simulator, thousands of steps a second.
 from __future__ import annotations
 
 from collections import deque
+from typing import ClassVar
 
 import numpy as np
 
@@ -35,7 +36,9 @@ class GridNavEnv(Env):
     frame is the way to go (a policy need not relate two positions it must first find)."""
 
     action_dim = 2
-    words = {move: np.array([dc, dr], dtype=float) for move, (dr, dc) in MOVES.items()}  # x is the column
+    words: ClassVar[dict[str, np.ndarray]] = {
+        move: np.array([dc, dr], dtype=float) for move, (dr, dc) in MOVES.items()
+    }  # x is the column
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from mmrl.actor import build_actor
+from mmrl.agent.warmup import SCRIPT
 from mmrl.batch import Batch
 from mmrl.config import Config, VLLMConfig, load_config
 from mmrl.data import PromptSample
@@ -195,3 +196,40 @@ def zoom_prompts(processor: Any, budget: PixelBudget, count: int, tool: dict[str
         sample = PromptSample(i, ids, "Zoom in.", "red", images=[fitted], originals=[original])
         out.append(with_pixels(sample, [], processor.image_processor, None))
     return out
+
+
+class Forced:
+    """The model, with `generate` forced to emit given token lists: the HF engine then samples exactly a
+    scripted trajectory and reports its real sampling log-probs (from the unprocessed logits)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.rows = model, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        width, rows = input_ids.shape[1], self.rows
+
+        def allowed(row: int, ids: torch.Tensor) -> list[int]:
+            k = ids.shape[0] - width
+            return [rows[row][min(k, len(rows[row]) - 1)]]
+
+        return self.model.generate(input_ids=input_ids, prefix_allowed_tokens_fn=allowed, **kwargs)
+
+
+class ForcedScript:
+    """The HF engine over `Forced`, taking each prompt's next turn from its script."""
+
+    logprobs_are_free = False
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts: list[Any], params: Any) -> Any:
+        self.engine.model.rows = [
+            self.tokenizer(p.extra[SCRIPT].next(), add_special_tokens=False)["input_ids"]
+            + [self.tokenizer.eos_token_id]
+            for p in prompts
+        ]
+        return self.engine.generate(prompts, params)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import ZOOM_CALL, zoom_prompts
+from helpers import ZOOM_CALL, Forced, ForcedScript, zoom_prompts
 from PIL import Image
 
 from mmrl.agent import (
@@ -251,7 +251,12 @@ def _agent(tiny: Any, engine: Any, limits: AgentLimits | None = None) -> AgentEn
     model, processor = tiny
     box = ToolBox([ToolSpec.from_config({"function": "image_zoom"})])
     return AgentEngine(
-        engine, ToolResponder(box), processor.tokenizer, processor.image_processor, _budget(model), limits or AgentLimits()
+        engine,
+        ToolResponder(box),
+        processor.tokenizer,
+        processor.image_processor,
+        _budget(model),
+        limits or AgentLimits(),
     )
 
 
@@ -315,43 +320,6 @@ def test_a_trajectory_over_a_limit_ends_truncated_and_counted(tiny: Any, ending:
     assert bool(batch["response_mask"][0][last]), "a trajectory never ends on a tool response"
 
 
-class _Forced:
-    """The model, with `generate` forced to emit given token lists: the HF engine then samples exactly a
-    scripted trajectory and reports its real sampling log-probs (from the unprocessed logits)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.rows = model, []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
-        width, rows = input_ids.shape[1], self.rows
-
-        def allowed(row: int, ids: torch.Tensor) -> list[int]:
-            k = ids.shape[0] - width
-            return [rows[row][min(k, len(rows[row]) - 1)]]
-
-        return self.model.generate(input_ids=input_ids, prefix_allowed_tokens_fn=allowed, **kwargs)
-
-
-class _ForcedScript:
-    """The HF engine over `_Forced`, taking each prompt's next turn from its script."""
-
-    logprobs_are_free = False
-
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
-
-    def generate(self, prompts: list[Any], params: Any) -> Any:
-        self.engine.model.rows = [
-            self.tokenizer(p.extra[SCRIPT].next(), add_special_tokens=False)["input_ids"]
-            + [self.tokenizer.eos_token_id]
-            for p in prompts
-        ]
-        return self.engine.generate(prompts, params)
-
-
 def test_trainer_logprobs_over_a_multi_turn_trajectory_equal_the_engines_and_tool_tokens_get_no_gradient(
     tiny: Any,
 ) -> None:
@@ -362,8 +330,8 @@ def test_trainer_logprobs_over_a_multi_turn_trajectory_equal_the_engines_and_too
     from mmrl.rollout import HFEngine
 
     model, processor = tiny
-    engine = HFEngine(_Forced(model), processor)
-    agent = _agent(tiny, _ForcedScript(engine, processor.tokenizer))
+    engine = HFEngine(Forced(model), processor)
+    agent = _agent(tiny, ForcedScript(engine, processor.tokenizer))
     prompts = _scripted(_prompts(tiny, 2), [ZOOM_CALL, "<answer>red</answer>"])
     batch = agent.generate(prompts, replace(_params(logprobs=True), temperature=1.0))
     assert batch["tool_calls"].tolist() == [1, 1] and len(batch.prompts[0].images) == 2

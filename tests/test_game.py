@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from envs.gridnav import GridNavEnv, gridnav_expert
@@ -92,7 +93,9 @@ def test_the_experts_moves_win_and_every_frame_comes_back_as_a_user_turn(process
         # only the moves train: one word and the end-of-turn token each
         policy = batch["response_mask"][row].sum().item()
         observed = batch["response_attention"][row].sum().item() - policy
-        assert policy == sum(len(processor.tokenizer(m)["input_ids"]) + 1 for m in seed_moves) and observed > 0
+        assert (
+            policy == sum(len(processor.tokenizer(m)["input_ids"]) + 1 for m in seed_moves) and observed > 0
+        )
 
 
 def test_a_turn_that_names_no_move_is_counted_answered_and_the_env_does_not_step(processor: Any) -> None:
@@ -147,3 +150,43 @@ def test_written_rows_hold_each_seeds_first_frame(tmp_path: Path) -> None:
     obs, _ = GridNavEnv(**OPTIONS).reset(seed=1)
     assert np.array_equal(np.asarray(Image.open(tmp_path / rows[1]["images"][0])), obs["image"])
     assert "up, down, left, right" in rows[1]["problem"] and obs["instruction"] in rows[1]["problem"]
+
+
+def test_trainer_logprobs_over_a_played_episode_equal_the_engines_and_frames_get_no_gradient(
+    tiny_model_dir: Path, processor: Any
+) -> None:
+    """One forward over a whole episode (a frame in every user turn) gives each move's tokens the
+    log-probs the HF engine sampled them with; the frames and instructions get exactly zero gradient."""
+    from helpers import Forced, ForcedScript
+
+    from mmrl.actor import forward_logprobs, response_logits
+    from mmrl.algorithms import logprobs_from_logits
+    from mmrl.models import load_policy
+    from mmrl.rollout import HFEngine
+
+    model = load_policy(tiny_model_dir)
+    seed = 3
+    moves = _expert_moves(seed)
+    engine = ForcedScript(HFEngine(Forced(model), processor), processor.tokenizer)
+    agent = AgentEngine(
+        engine,
+        GameResponder("gridnav", OPTIONS),
+        processor.tokenizer,
+        processor.image_processor,
+        BUDGET,
+        AgentLimits(6, 512, 7),
+    )
+    prompt = replace(_prompt(processor, seed), extra={"seed": seed, SCRIPT: Script(moves)})
+    batch = agent.generate([prompt], SamplingParams(n=1, max_new_tokens=8, logprobs=True))
+    assert batch.prompts[0].extra["env_success"] == 1.0 and len(batch.prompts[0].images) == len(moves) >= 2
+    policy = batch["response_mask"].bool()
+    observation = batch["response_attention"].bool() & ~policy
+    pad = processor.tokenizer.pad_token_id
+    logp, _ = forward_logprobs(model, batch, pad)
+    sampled = batch["rollout_logprobs"]
+    assert torch.allclose(logp[policy], sampled[policy], atol=1e-4), (logp - sampled)[policy].abs().max()
+    logits = response_logits(model, batch, pad)
+    logits.retain_grad()
+    token_logp = logprobs_from_logits(logits.float(), batch["response_ids"])
+    (-(token_logp * batch["response_mask"]).sum()).backward()
+    assert (logits.grad[observation] == 0).all() and (logits.grad[policy].abs().sum(dim=-1) > 0).all()

@@ -115,7 +115,9 @@ def test_vllm_samples_after_a_tool_image_with_the_trainers_logprobs(engine) -> N
     tools = ToolBox([ToolSpec.from_config(SHORT_ZOOM)])
     limits = AgentLimits(max_turns=2, max_tokens=512)
     mixed = _ScriptThen(ScriptedEngine(processor.tokenizer), engine)
-    agent = AgentEngine(mixed, ToolResponder(tools), processor.tokenizer, processor.image_processor, BUDGET, limits)
+    agent = AgentEngine(
+        mixed, ToolResponder(tools), processor.tokenizer, processor.image_processor, BUDGET, limits
+    )
     torch.manual_seed(0)
     batch = agent.generate(prompts, SamplingParams(n=1, temperature=0.7, max_new_tokens=8, logprobs=True))
     assert batch["tool_calls"].tolist() == [1, 1, 1] and all(len(p.images) == 2 for p in batch.prompts)

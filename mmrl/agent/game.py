@@ -117,7 +117,9 @@ class GameResponder:
             move = parse_move(t.turns[-1].text, env.words)
             if move is None:
                 t.outcome["env_invalid"] += 1
-                replies.append("max_turns" if last else [[f"That is not a move. Answer with one of: {self.moves}."]])
+                replies.append(
+                    "max_turns" if last else [[f"That is not a move. Answer with one of: {self.moves}."]]
+                )
                 continue
             obs, reward, terminated, truncated, info = env.step(env.words[move])
             t.outcome["env_return"] += reward

@@ -1,10 +1,11 @@
-"""The agent loop: multi-turn rollouts in which tool results, images included, come back as turns.
+"""The agent loop: multi-turn rollouts in which replies, images included, come back as turns.
 
 `AgentEngine` wraps a rollout engine (HF or vLLM) and is one itself: `generate` runs every prompt's n
 trajectories in lockstep. Each round, one batched call of the inner engine extends every live
-trajectory by an assistant turn; the turn's tool calls run (`mmrl.agent.tools.ToolBox`) and their
-results are appended as a tool-response turn, images sized by the family's pixel budget, and the next
-round goes on from there. A turn without a tool call is the answer and ends the trajectory.
+trajectory by an assistant turn, and a `Responder` answers it: `ToolResponder` runs the turn's tool
+calls (`mmrl.agent.tools.ToolBox`) and a turn without one is the answer; `GameResponder`
+(`mmrl.agent.game`) steps an env with the turn's move and shows the next frame. The reply is appended
+as the next turn, images sized by the family's pixel budget, and the next round goes on from there.
 
 A trajectory is built from token ids, never re-tokenised text, so the trainer scores exactly the tokens
 the engine sampled, at the positions it sampled them. Its row in the batch is the first prompt, then

@@ -44,7 +44,9 @@ class AgentLoops:
         self.budget = image_budget(cfg.data, model_config) if takes_images else None
 
     def __call__(self, engine: Any) -> AgentEngine:
-        return AgentEngine(engine, self.responder, self.tokenizer, self.image_processor, self.budget, self.limits)
+        return AgentEngine(
+            engine, self.responder, self.tokenizer, self.image_processor, self.budget, self.limits
+        )
 
     def close(self) -> None:
         self.tools.close()
