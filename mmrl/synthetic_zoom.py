@@ -1,10 +1,10 @@
 """A seeded visual task that needs the `image_zoom` tool: name the colours of a small striped mark.
 
 The mark is a square of stripes two pixels wide in one of three colour pairs (red/cyan, green/magenta,
-blue/yellow), placed in one of the four quadrants of a large image. Every pair averages to the same
-grey, so at the policy's pixel budget (the image shrunk 4x) the mark is a grey square whose place is
-plain but whose colours are gone: without zooming, the answer is at chance (1/3). Zooming into the right
-quadrant (shrunk 2x) keeps the stripes and the answer is legible. Rows are in the EasyR1 jsonl layout,
+blue/yellow), at the centre of one of the four quadrants of a large image. Every pair averages to the
+same grey, so at the policy's pixel budget (the image shrunk 4x) the mark is a grey square whose place
+is plain but whose colours are gone: without zooming, the answer is at chance (1/3). Zooming onto the
+mark (its place's box in `BOXES`, shown enlarged) makes the stripes wide and the answer legible. Rows are in the EasyR1 jsonl layout,
 with the mark's box in the model's coordinates (`target_box`, read by the `zoom_hit` grader).
 """
 
@@ -29,19 +29,28 @@ MODEL_SIZE = 112
 MARK = 48  # the mark's side in original pixels
 STRIPE = 2
 QUESTION = "Zoom in and name the colour of the striped mark."
-QUADRANTS = [[x, y, x + MODEL_SIZE // 2, y + MODEL_SIZE // 2] for y in (0, 56) for x in (0, 56)]
+# The four places a mark can be (one per quadrant, centred there up to a small jitter), and the box of
+# each in the model's coordinates: 16 px there, 64 px of the original, which the zoom shows at 112 px,
+# so each stripe is 3.5 px wide. A quadrant's box (shown at half size) leaves 1-px stripes, which the
+# tiny model does not learn to tell apart (docs/benchmarks.md, "Agents").
+CENTRES = [
+    (x, y) for y in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4) for x in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4)
+]
+FOCUS = 16
+BOXES = [
+    [c * MODEL_SIZE // IMAGE_SIZE + FOCUS // 2 * d for c, d in zip((x, y, x, y), (-1, -1, 1, 1), strict=True)]
+    for x, y in CENTRES
+]
+JITTER = 6  # original pixels either way; the mark stays inside its place's box
 
 
 def draw(rng: np.random.Generator, answer: str, quadrant: int) -> tuple[Image.Image, dict[str, Any]]:
-    """One scene: grey noise, and the `answer` mark at a random place inside `quadrant`."""
-    half = IMAGE_SIZE // 2
-    pixels = rng.integers(118, 139, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)
-    pixels[:] = np.clip(pixels.astype(int) + 60, 0, 255).astype(np.uint8)  # a light background
-    margin = 8
-    # Even coordinates: a crop from any box (its edges land on multiples of 4 here) shrunk 2x keeps every
-    # stripe a pure colour, where an odd start would blend the pairs to a third of their contrast.
-    x = (quadrant % 2) * half + int(rng.integers(margin, half - MARK - margin)) // 2 * 2
-    y = (quadrant // 2) * half + int(rng.integers(margin, half - MARK - margin)) // 2 * 2
+    """One scene: grey noise, and the `answer` mark at the place of `quadrant`, jittered."""
+    pixels = rng.integers(178, 199, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)  # light grey noise
+    cx, cy = CENTRES[quadrant]
+    # Even coordinates: a crop from any box (its edges land on multiples of 4 here) keeps every stripe a
+    # pure colour, where an odd start would blend the pairs to a third of their contrast.
+    x, y = (c - MARK // 2 + int(rng.integers(-JITTER, JITTER + 1)) // 2 * 2 for c in (cx, cy))
     first, second = PAIRS[answer]
     index = np.arange(MARK) // STRIPE % 2
     stripes = np.where(index[None, :, None] == 0, first, second)  # vertical stripes

@@ -227,3 +227,33 @@ def test_unknown_task_lists_known_tasks(tmp_path: Path) -> None:
 def test_bad_counts_and_formats_are_rejected(tmp_path: Path, kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         generate(tmp_path, **kwargs)
+
+
+def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_in_its_boxs_zoom() -> None:
+    """The zoom task's premise: without the tool every answer looks alike; zoomed onto the mark's place
+    (`BOXES`, what the warm-up draws from) the stripes are several pixels wide, in their pure colours."""
+    from mmrl.agent import SeenImage, image_zoom
+    from mmrl.synthetic_zoom import ANSWERS, BOXES, MARK, PAIRS, draw
+    from processors import PixelBudget, fit_image
+
+    budget = PixelBudget(112 * 112, 112 * 112)
+    rng = np.random.default_rng(0)
+    means = {}
+    for answer in ANSWERS:
+        seen = []
+        for quadrant in range(4):
+            original, params = draw(rng, answer, quadrant)
+            view = np.asarray(fit_image(original, budget), dtype=float)
+            x, y = params["x"] // 4, params["y"] // 4
+            seen.append(view[y + 1 : y + MARK // 4 - 1, x + 1 : x + MARK // 4 - 1].reshape(-1, 3).mean(0))
+            zoomed = fit_image(image_zoom(BOXES[quadrant], [SeenImage(original, view.shape[1::-1])]), budget)
+            pixels = np.asarray(zoomed, dtype=int)
+            first = np.abs(pixels - PAIRS[answer][0]).max(axis=2) < 40
+            second = np.abs(pixels - PAIRS[answer][1]).max(axis=2) < 40
+            assert first.sum() > 400 and second.sum() > 400, (answer, quadrant)  # both colours, nearly pure
+            # wide stripes: a pure pixel's right neighbour is mostly of the same colour (never, 1 px wide)
+            same = (first[:, :-1] & first[:, 1:]).sum() + (second[:, :-1] & second[:, 1:]).sum()
+            assert same > 0.3 * (first[:, :-1].sum() + second[:, :-1].sum()), (answer, quadrant)
+        means[answer] = np.mean(seen, axis=0)
+    spread = np.ptp(np.stack(list(means.values())), axis=0)
+    assert (spread < 1.0).all(), means
