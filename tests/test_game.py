@@ -25,6 +25,7 @@ from processors import PixelBudget, build_messages, encode_prompt, num_image_tok
 
 OPTIONS = {"image_size": 56, "size": 3, "walls": 0, "max_steps": 6, "view": "agent"}
 BUDGET = PixelBudget(56 * 56, 56 * 56)
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,24 @@ def test_trainer_logprobs_over_a_played_episode_equal_the_engines_and_frames_get
     token_logp = logprobs_from_logits(logits.float(), batch["response_ids"])
     (-(token_logp * batch["response_mask"]).sum()).backward()
     assert (logits.grad[observation] == 0).all() and (logits.grad[policy].abs().sum(dim=-1) > 0).all()
+
+
+def test_the_game_graders_read_the_episode_and_refuse_rows_without_one() -> None:
+    from rewards import RewardInput
+    from rewards.graders import GRADERS
+
+    played = RewardInput("up", "success", extra={"env_success": 1.0, "env_return": 0.6})
+    assert GRADERS["env_success"](played) == 1.0 and GRADERS["env_return"](played) == 0.6
+    with pytest.raises(ValueError, match="grades games"):
+        GRADERS["env_success"](RewardInput("up", "success"))
+
+
+def test_an_agent_section_takes_tools_or_a_game_never_both_nor_neither() -> None:
+    from mmrl.config import ConfigError, load_config
+
+    game = "agent.game={task: gridnav}"
+    with pytest.raises(ConfigError, match="either agent.tools"):
+        load_config(CONFIGS / "quickstart_agent.yaml", [game])
+    with pytest.raises(ConfigError, match="either agent.tools"):
+        load_config(CONFIGS / "quickstart_game.yaml", ["agent.game=null"])
+    assert load_config(CONFIGS / "quickstart_game.yaml").agent.game.task == "gridnav"
