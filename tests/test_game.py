@@ -207,8 +207,8 @@ def test_an_agent_section_takes_tools_or_a_game_never_both_nor_neither() -> None
     from mmrl.config import ConfigError, load_config
 
     game = "agent.game={task: gridnav}"
-    with pytest.raises(ConfigError, match="either agent.tools"):
+    with pytest.raises(ConfigError, match=r"either agent\.tools"):
         load_config(CONFIGS / "quickstart_agent.yaml", [game])
-    with pytest.raises(ConfigError, match="either agent.tools"):
+    with pytest.raises(ConfigError, match=r"either agent\.tools"):
         load_config(CONFIGS / "quickstart_game.yaml", ["agent.game=null"])
     assert load_config(CONFIGS / "quickstart_game.yaml").agent.game.task == "gridnav"
