@@ -88,7 +88,8 @@ class GameResponder:
 
     def __init__(self, task: str, options: dict[str, Any]) -> None:
         self.task, self.options = task, options
-        self.moves = ", ".join(game_env(task, options).words)
+        with game_env(task, options) as env:  # refuses a task without move words before the run starts
+            self.moves = ", ".join(env.words)
         self._envs: dict[int, Env] = {}
 
     def begin(self, trajectories: list[Trajectory]) -> None:
