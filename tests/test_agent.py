@@ -123,8 +123,10 @@ def test_image_zoom_crops_the_original_in_the_coordinates_the_model_saw() -> Non
     assert np.array_equal(np.asarray(crop), np.asarray(original)[0:224, 224:448])
     thousandths = image_zoom([500, 0, 1000, 500], seen, frame="norm1000")
     assert np.array_equal(np.asarray(thousandths), np.asarray(crop))
+    swapped = image_zoom([112, 56, 56, 0], seen)  # the same two corners, the other way round
+    assert np.array_equal(np.asarray(swapped), np.asarray(crop))
     with pytest.raises(ToolError, match="holds no pixels"):
-        image_zoom([50, 50, 40, 60], seen)
+        image_zoom([50, 50, 50, 60], seen)
     with pytest.raises(ToolError, match="image_index 1"):
         image_zoom([0, 0, 10, 10], seen, image_index=1)
 

@@ -38,7 +38,8 @@ BOX_FRAMES = ("model_input", "norm1000")
 def image_zoom(
     bbox_2d: Sequence[float], images: Sequence[SeenImage], image_index: int = 0, frame: str = "model_input"
 ) -> Image.Image:
-    """Crop the box `bbox_2d` = [x1, y1, x2, y2] of image `image_index` from the full-resolution original;
+    """Crop the box `bbox_2d` = [x1, y1, x2, y2] (two opposite corners, in either order: a policy that
+    writes [x2, y2, x1, y1] meant the same box) of image `image_index` from the full-resolution original;
     the agent loop then sizes the crop within the model's pixel budget, so small detail becomes legible."""
     if not 0 <= image_index < len(images):
         raise ToolError(f"image_index {image_index}: there are {len(images)} images (0 to {len(images) - 1})")
@@ -46,6 +47,7 @@ def image_zoom(
     width, height = seen.model_size if frame == "model_input" else (1000, 1000)
     sx, sy = seen.original.width / width, seen.original.height / height
     x1, y1, x2, y2 = (float(v) for v in bbox_2d)
+    (x1, x2), (y1, y2) = sorted((x1, x2)), sorted((y1, y2))  # any two opposite corners, in either order
     left, top = max(0, math.floor(x1 * sx)), max(0, math.floor(y1 * sy))
     right, bottom = (
         min(seen.original.width, math.ceil(x2 * sx)),
@@ -54,7 +56,7 @@ def image_zoom(
     if right - left < 1 or bottom - top < 1:
         raise ToolError(
             f"bbox_2d {list(bbox_2d)} holds no pixels of image {image_index}, which is {width}x{height} "
-            "in your coordinates; give [x1, y1, x2, y2] with x1 < x2 and y1 < y2 inside the image"
+            "in your coordinates; give two opposite corners [x1, y1, x2, y2] of a box inside the image"
         )
     return seen.original.crop((left, top, right, bottom))
 
