@@ -372,6 +372,12 @@ class WarmupConfig(_Section):
         "run for real. {answer} is a shuffled answer, and each {key} of `fill` one of its values at random",
     )
     fill: dict[str, list[str]] = Field({}, description="Values drawn at random for `turns`' {key}s")
+    expert_noise: float | None = Field(
+        None,
+        ge=0,
+        description="Games: each turn's {move} is the task's scripted expert's move under this action noise "
+        "(`envs.experts`), a behaviour-cloning start instead of a format-only one",
+    )
 
 
 class EnvConfig(_Section):
@@ -532,6 +538,11 @@ class Config(_Section):
             raise ValueError("data.train_files is required: name the training data (or add an env section)")
         if self.agent is not None:
             self._check_agent_supported()
+        game = self.agent.game if self.agent is not None else None
+        if self.warmup.expert_noise is not None and (game is None or self.warmup.turns is None):
+            raise ValueError(
+                "warmup.expert_noise plays a game's expert: it needs agent.game and warmup.turns"
+            )
         if self.env is not None:
             self._check_env_supported()
         elif self.algorithm.adv_estimator == "gigpo":

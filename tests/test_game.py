@@ -212,3 +212,38 @@ def test_an_agent_section_takes_tools_or_a_game_never_both_nor_neither() -> None
     with pytest.raises(ConfigError, match=r"either agent\.tools"):
         load_config(CONFIGS / "quickstart_game.yaml", ["agent.game=null"])
     assert load_config(CONFIGS / "quickstart_game.yaml").agent.game.task == "gridnav"
+
+
+def test_an_expert_warmup_plays_the_noisy_expert_in_step_with_the_env(processor: Any) -> None:
+    """Without noise the expert's script wins every episode through the real loop (its env copy and the
+    responder's stayed in step); with the task's default noise some moves go astray."""
+    from mmrl.agent.game import expert_scripts
+
+    responder = GameResponder("gridnav", OPTIONS)
+    seeds = list(range(8))
+    agent = AgentEngine(
+        ScriptedEngine(processor.tokenizer),
+        responder,
+        processor.tokenizer,
+        processor.image_processor,
+        BUDGET,
+        AgentLimits(6, 512, 7),
+    )
+    prompts = [_prompt(processor, s) for s in seeds]
+    outcomes = {}
+    for noise in (0.0, None):
+        scripts = expert_scripts(
+            responder, ["<answer>{move}</answer>"] * 6, seeds, np.random.default_rng(0), noise
+        )
+        batch = agent.generate(
+            [replace(p, extra={**p.extra, SCRIPT: s}) for p, s in zip(prompts, scripts, strict=True)],
+            SamplingParams(n=1, max_new_tokens=8),
+        )
+        outcomes[noise] = [p.extra["env_success"] for p in batch.prompts]
+        assert all(p.extra["env_invalid"] == 0 for p in batch.prompts)
+    assert outcomes[0.0] == [1.0] * len(seeds)
+    assert 0 < sum(outcomes[None]) < len(seeds)
+    with pytest.raises(Exception, match="expert_noise"):
+        from mmrl.config import load_config
+
+        load_config(CONFIGS / "quickstart_agent.yaml", ["warmup.expert_noise=1.0"])

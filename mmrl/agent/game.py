@@ -22,8 +22,10 @@ import numpy as np
 from PIL import Image
 
 from envs.base import Env
+from envs.experts import expert_action
 from envs.registry import make_env
 from mmrl.agent.loop import Reply, Trajectory
+from mmrl.agent.warmup import Script
 from processors.chat import user_turn_text
 
 GAME_OUTCOMES = ("env_return", "env_success", "env_steps", "env_invalid")  # each trajectory's `extra`
@@ -77,6 +79,38 @@ def write_game_rows(
             (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
     finally:
         env.close()
+
+
+class ExpertScript(Script):
+    """A warm-up trajectory whose {move}s are the task's scripted expert's (`envs.experts`), with action
+    noise: a behaviour-cloning start for a game. The script plays its own copy of the trajectory's env,
+    which stays in step with the responder's: both start from the row's seed and take the same moves."""
+
+    def __init__(self, turns: list[str], env: Env, rng: np.random.Generator, noise: float | None) -> None:
+        super().__init__(turns)
+        self.env, self.rng, self.noise = env, rng, noise
+
+    def next(self) -> str:
+        action = expert_action(self.env, self.rng, self.noise)
+        move = min(self.env.words, key=lambda w: float(np.sum((self.env.words[w] - action) ** 2)))
+        self.env.step(self.env.words[move])
+        return super().next().replace("{move}", move)
+
+
+def expert_scripts(
+    responder: GameResponder,
+    turns: list[str],
+    seeds: list[int],
+    rng: np.random.Generator,
+    noise: float | None,
+) -> list[ExpertScript]:
+    """One expert script per seed, each on a fresh env of the responder's task."""
+    out = []
+    for seed in seeds:
+        env = game_env(responder.task, responder.options)
+        env.reset(seed=seed)
+        out.append(ExpertScript(turns, env, rng, noise))
+    return out
 
 
 class GameResponder:

@@ -114,9 +114,17 @@ def agent_warmup(
     losses = []
     for _ in range(cfg.steps):
         rows = rng.choice(len(samples), size=cfg.batch_size)
+        if cfg.expert_noise is None:
+            drawn = scripts(cfg, answers, len(rows), rng)
+        else:  # a game's expert, played from each row's seed
+            from mmrl.agent.game import GameResponder, expert_scripts
+
+            assert isinstance(agent.responder, GameResponder) and cfg.turns is not None
+            seeds = [int(samples[r].extra["seed"]) for r in rows]
+            drawn = expert_scripts(agent.responder, cfg.turns, seeds, rng, cfg.expert_noise)
         prompts = [
             replace(samples[r], extra={**samples[r].extra, SCRIPT: script})
-            for r, script in zip(rows, scripts(cfg, answers, len(rows), rng), strict=True)
+            for r, script in zip(rows, drawn, strict=True)
         ]
         batch = agent.generate(prompts, SamplingParams(n=1, max_new_tokens=1 << 16))
         losses.append(supervised_batch_step(model, optimizer, batch, tokenizer.pad_token_id))
