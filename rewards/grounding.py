@@ -142,22 +142,29 @@ _ZOOM_BOX = re.compile(r'"bbox_2d"\s*:\s*(\[[^\]]*\])')
 
 
 @register_grader("zoom_hit")
-def zoom_hit(sample: RewardInput, key: str = "target_box") -> float:
+def zoom_hit(sample: RewardInput, key: str = "target_box", min_fill: float = 0.25) -> float:
     """1.0 if one of the agent's `image_zoom` calls framed the target: its box holds the centre of the
-    row's `extra[key]` ([x1, y1, x2, y2] in the coordinates the model saw). The rate of useful zooms of
-    an agent run (`mmrl.agent`; the turns are in `extra["agent_turns"]`); with weight 0 it is only logged."""
+    row's `extra[key]` ([x1, y1, x2, y2] in the coordinates the model saw) and the target fills at least
+    `min_fill` of the box's area (0.25: the target spans half the zoom's width), so a box around the
+    whole image, which holds every target but enlarges none, is no hit. The rate of useful zooms of an
+    agent run (`mmrl.agent`; the turns are in `extra["agent_turns"]`); with weight 0 it is only logged."""
     target = make_box(sample.extra.get(key))
     if target is None:
         raise ValueError(f"zoom_hit needs the row's target box in column {key!r} as [x1, y1, x2, y2]")
     cx, cy = (target.x1 + target.x2) / 2, (target.y1 + target.y2) / 2
+    target_area = (target.x2 - target.x1) * (target.y2 - target.y1)
     for turn in sample.extra.get("agent_turns", []):
         if turn["role"] != "assistant":
             continue
         for found in _ZOOM_BOX.findall(turn["text"]):
             try:
-                box = make_box(json.loads(found))
-            except (ValueError, RecursionError):
+                values = json.loads(found)
+                xs, ys = sorted(values[0::2]), sorted(values[1::2])  # corners in either order, as image_zoom
+                box = make_box([xs[0], ys[0], xs[-1], ys[-1]]) if len(values) == 4 else None
+            except (ValueError, TypeError, KeyError, RecursionError):
                 continue
-            if box is not None and box.x1 <= cx <= box.x2 and box.y1 <= cy <= box.y2:
+            if box is None or not (box.x1 <= cx <= box.x2 and box.y1 <= cy <= box.y2):
+                continue
+            if target_area >= min_fill * (box.x2 - box.x1) * (box.y2 - box.y1):
                 return 1.0
     return 0.0
