@@ -233,3 +233,25 @@ class ForcedScript:
             for p in prompts
         ]
         return self.engine.generate(prompts, params)
+
+
+def assert_scored_like_sampled(model: Any, batch: Batch, pad_id: int) -> None:
+    """The trainer's one forward over each multi-turn trajectory gives every policy token the log-prob the
+    engine sampled it with, and a loss on the policy tokens sends exactly zero gradient to the tokens the
+    policy did not write (tool responses, env frames)."""
+    from mmrl.actor import forward_logprobs, response_logits
+    from mmrl.algorithms import logprobs_from_logits
+
+    policy = batch["response_mask"].bool()
+    observation = batch["response_attention"].bool() & ~policy
+    assert observation.any() and policy.any()
+    logp, _ = forward_logprobs(model, batch, pad_id)
+    sampled = batch["rollout_logprobs"]
+    assert torch.allclose(logp[policy], sampled[policy], atol=1e-4), (logp - sampled)[policy].abs().max()
+    assert (sampled[observation] == 0).all()
+    logits = response_logits(model, batch, pad_id)
+    logits.retain_grad()
+    token_logp = logprobs_from_logits(logits.float(), batch["response_ids"])
+    (-(token_logp * batch["response_mask"]).sum()).backward()
+    assert (logits.grad[observation] == 0).all()
+    assert (logits.grad[policy].abs().sum(dim=-1) > 0).all()

@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from helpers import ZOOM_CALL, Forced, ForcedScript, zoom_prompts
+from helpers import ZOOM_CALL, Forced, ForcedScript, assert_scored_like_sampled, zoom_prompts
 from PIL import Image
 
 from mmrl.agent import (
@@ -328,7 +327,6 @@ def test_trainer_logprobs_over_a_multi_turn_trajectory_equal_the_engines_and_too
     """One forward over the whole trajectory (two images, one returned by the tool mid-conversation)
     gives every policy token the log-prob the HF engine sampled it with, turn by turn; the loss on it
     sends exactly zero gradient to the tool response's positions."""
-    from mmrl.actor import forward_logprobs, response_logits
     from mmrl.rollout import HFEngine
 
     model, processor = tiny
@@ -337,22 +335,7 @@ def test_trainer_logprobs_over_a_multi_turn_trajectory_equal_the_engines_and_too
     prompts = _scripted(_prompts(tiny, 2), [ZOOM_CALL, "<answer>red</answer>"])
     batch = agent.generate(prompts, replace(_params(logprobs=True), temperature=1.0))
     assert batch["tool_calls"].tolist() == [1, 1] and len(batch.prompts[0].images) == 2
-    policy = batch["response_mask"].bool()
-    observation = batch["response_attention"].bool() & ~policy
-    pad = processor.tokenizer.pad_token_id
-    logp, _ = forward_logprobs(model, batch, pad)
-    sampled = batch["rollout_logprobs"]
-    assert torch.allclose(logp[policy], sampled[policy], atol=1e-4), (logp - sampled)[policy].abs().max()
-    assert (sampled[observation] == 0).all()
-
-    logits = response_logits(model, batch, pad)
-    logits.retain_grad()
-    from mmrl.algorithms import logprobs_from_logits
-
-    token_logp = logprobs_from_logits(logits.float(), batch["response_ids"])
-    (-(token_logp * batch["response_mask"]).sum()).backward()
-    assert (logits.grad[observation] == 0).all()
-    assert (logits.grad[policy].abs().sum(dim=-1) > 0).all()
+    assert_scored_like_sampled(model, batch, processor.tokenizer.pad_token_id)
 
 
 def test_the_example_user_tools_run_in_workers_with_the_trajectorys_images() -> None:
