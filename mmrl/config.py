@@ -722,14 +722,33 @@ def _check_registered(key: str, name: str, registry: str) -> None:
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    node = tree
+    """Set `dotted` in the config tree; a number addresses an item of a list of sections
+    (`reward.functions.1.weight=0.5`), counted from 0."""
+    node: Any = tree
     *parents, leaf = dotted.split(".")
     for part in parents:
+        if isinstance(node, list):
+            node = _item(node, part, dotted)
+            continue
         child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+        if not isinstance(child, dict | list):
             raise ConfigError(f"override {dotted}: {part} is a value, not a section")
         node = child
+    if isinstance(node, list):
+        raise ConfigError(
+            f"override {dotted}: name a field of one item ({dotted}.<field>), or set the whole list"
+        )
     node[leaf] = value
+
+
+def _item(items: list[Any], index: str, dotted: str) -> dict[str, Any]:
+    """The list item an override's index names."""
+    if not index.isdigit() or int(index) >= len(items) or not isinstance(items[int(index)], dict):
+        raise ConfigError(
+            f"override {dotted}: {index!r} is not an item of this list; it has {len(items)} items, "
+            f"numbered from 0"
+        )
+    return items[int(index)]
 
 
 def parse_override(text: str) -> tuple[str, Any]:

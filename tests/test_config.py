@@ -174,6 +174,26 @@ def test_override_into_a_value_is_refused() -> None:
     assert "actor.lr.x" in _error(["actor.lr.x=1"])
 
 
+def test_override_sets_a_field_of_one_list_item() -> None:
+    cfg = load_config(QUICKSTART, ["reward.functions.1.weight=0.5"])
+    assert [(f.name, f.weight) for f in cfg.reward.functions] == [
+        ("answer_match", 0.9),
+        ("format_answer", 0.5),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("reward.functions.2.weight=1", "'2' is not an item of this list; it has 2 items"),
+        ("reward.functions.x.weight=1", "'x' is not an item of this list"),
+        ("reward.functions.0=1", "name a field of one item"),
+    ],
+)
+def test_override_into_a_list_names_what_it_holds(override: str, says: str) -> None:
+    assert says in _error([override])
+
+
 def test_malformed_override_is_refused() -> None:
     assert "key.sub=value" in _error(["actor.lr"])
 
