@@ -545,10 +545,10 @@ class Config(_Section):
             )
         if self.env is not None:
             self._check_env_supported()
-        elif self.algorithm.adv_estimator == "gigpo":
+        elif self.algorithm.adv_estimator == "gigpo" and game is None:
             raise ValueError(
                 "algorithm.adv_estimator=gigpo compares decisions made from the same state across the "
-                "episodes of a group, so it needs an env section; use grpo for prompts"
+                "episodes of a group, so it needs an env section or a game (agent.game); use grpo for prompts"
             )
         if self.data.train_batch_size % self.actor.mini_batch_size:
             raise ValueError(

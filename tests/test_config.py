@@ -223,7 +223,7 @@ def test_grpo_needs_a_group() -> None:
 
 
 def test_gigpo_needs_episodes() -> None:
-    assert "needs an env section" in _error(["algorithm.adv_estimator=gigpo"])
+    assert "needs an env section or a game" in _error(["algorithm.adv_estimator=gigpo"])
     reach = load_config(QUICKSTART.parent / "vla_mujoco_reach.yaml", ["algorithm.adv_estimator=gigpo"])
     assert reach.algorithm.adv_estimator == "gigpo" and reach.algorithm.step_weight == 1.0
 

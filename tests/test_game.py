@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from envs.gridnav import GridNavEnv, gridnav_expert
@@ -234,3 +235,48 @@ def test_an_expert_warmup_plays_the_noisy_expert_in_step_with_the_env(processor:
 
     with pytest.raises(ConfigError, match="expert_noise"):
         load_config(CONFIGS / "quickstart_agent.yaml", ["warmup.expert_noise=1.0"])
+
+
+def test_gigpo_credits_each_move_by_the_state_it_was_chosen_in(processor: Any) -> None:
+    """Two episodes from one start both win, so trajectory-level GRPO gives every move 0. One wastes its
+    first move on a word that is not a move; GiGPO's step group at the start state then holds three moves
+    with returns-to-go γ^(L-1), γ^L, γ^(L-1) (L the expert's moves), whose GRPO advantages are
+    +1/√3, −2/√3, +1/√3 whatever γ is; every later state is met once per episode with equal returns: 0.
+    Each move's advantage lands on its own tokens only."""
+    from mmrl.agent.credit import turn_advantages, turn_spans
+    from mmrl.agent.game import STATES
+    from mmrl.algorithms import ADVANTAGE_ESTIMATORS
+
+    seed = 3
+    moves = _expert_moves(seed)
+    batch = _play(
+        processor, [_prompt(processor, seed)] * 2, [moves, ["jump", *moves]], AgentLimits(7, 512, 8)
+    )
+    direct, wasted = (batch.prompts[i].extra[STATES] for i in range(2))
+    assert len(direct) == len(moves) and len(set(direct)) == len(moves)  # a new frame after every move
+    assert wasted == [direct[0], *direct]  # the invalid word left the agent where it was
+    batch.set(group_index=torch.zeros(2, dtype=torch.long), scores=torch.tensor([1.0, 1.0]))
+    advantages, returns = turn_advantages(
+        ADVANTAGE_ESTIMATORS["gigpo"], batch, gamma=0.9, step_weight=1.0, norm_adv_by_std=True
+    )
+    third = 1 / np.sqrt(3)
+    expected = [[third] + [0.0] * (len(moves) - 1), [-2 * third, third] + [0.0] * (len(moves) - 1)]
+    for row in range(2):
+        spans = turn_spans(batch["response_mask"][row])
+        assert len(spans) == len(expected[row])
+        for (start, end), value in zip(spans, expected[row], strict=True):
+            assert torch.allclose(advantages[row, start:end], torch.tensor(float(value)), atol=1e-4)
+        assert returns[row, spans[-1][0]].item() == pytest.approx(1.0)  # the winning move's return-to-go
+        outside = ~batch["response_mask"][row].bool()
+        assert not advantages[row][outside].any()
+    assert returns[1, turn_spans(batch["response_mask"][1])[0][0]].item() == pytest.approx(0.9 ** len(moves))
+
+
+def test_gigpo_is_refused_for_prompts_and_tools_and_taken_for_a_game() -> None:
+    from mmrl.config import ConfigError, load_config
+
+    for recipe in ("quickstart.yaml", "quickstart_agent.yaml"):
+        with pytest.raises(ConfigError, match="needs an env section or a game"):
+            load_config(CONFIGS / recipe, ["algorithm.adv_estimator=gigpo"])
+    game = load_config(CONFIGS / "quickstart_game.yaml", ["algorithm.adv_estimator=gigpo"])
+    assert game.algorithm.adv_estimator == "gigpo"

@@ -13,6 +13,7 @@ The episode's outcome reaches rewards in `extra` (`env_return`, `env_success`; g
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ from mmrl.agent.warmup import Script
 from processors.chat import user_turn_text
 
 GAME_OUTCOMES = ("env_return", "env_success", "env_steps", "env_invalid")  # each trajectory's `extra`
+STATES = "env_states"  # in `extra`: the state each move was chosen in, for turn-level credit (GiGPO)
 PROMPT = "<image>{instruction}. Answer with one move: {moves}."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -113,6 +115,14 @@ def expert_scripts(
     return out
 
 
+def state_key(obs: dict[str, Any]) -> str:
+    """What the policy sees (frame and instruction) as a short digest: two turns that saw the same are
+    decisions from one state, which is what GiGPO compares."""
+    digest = hashlib.blake2b(np.ascontiguousarray(obs["image"]).tobytes(), digest_size=8)
+    digest.update(str(obs.get("instruction", "")).encode())
+    return digest.hexdigest()
+
+
 class GameResponder:
     """Steps each trajectory's own env with the move its turn names (see the module). A turn that names
     no move is counted in `extra["env_invalid"]` and answered with what the moves are; the env does not
@@ -144,6 +154,7 @@ class GameResponder:
                 )
             self._envs[id(t)] = env
             t.outcome.update(dict.fromkeys(GAME_OUTCOMES, 0))
+            t.outcome[STATES] = [state_key(obs)]
 
     def respond(self, trajectories: list[Trajectory], last: bool) -> list[Reply]:
         replies: list[Reply] = []
@@ -152,6 +163,8 @@ class GameResponder:
             move = parse_move(t.turns[-1].text, env.words)
             if move is None:
                 t.outcome["env_invalid"] += 1
+                if not last:
+                    t.outcome[STATES].append(t.outcome[STATES][-1])  # the env did not step
                 replies.append(
                     "max_turns" if last else [[f"That is not a move. Answer with one of: {self.moves}."]]
                 )
@@ -165,6 +178,7 @@ class GameResponder:
             elif last:
                 replies.append("max_turns")
             else:
+                t.outcome[STATES].append(state_key(obs))
                 replies.append([[Image.fromarray(obs["image"]), obs["instruction"]]])
         return replies
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
+from mmrl.agent.credit import turn_advantages
 from mmrl.agent.game import GAME_OUTCOMES, GameResponder
 from mmrl.agent.loop import ENDINGS, AgentEngine, AgentLimits, Responder, ToolResponder
 from mmrl.agent.tools import ToolBox, ToolSpec
@@ -86,6 +89,17 @@ class AgentSource(PromptSource):
         metrics = super().metrics(batch)
         metrics.update({f"agent/tool_failures/{k}": v for k, v in self.tools.failures.items()})
         return metrics
+
+    def advantages(
+        self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt source's, except GiGPO on a game: credit per move (`mmrl.agent.credit`)."""
+        a = self.cfg.algorithm
+        if a.adv_estimator != "gigpo":
+            return super().advantages(batch, metrics, ctx)
+        return turn_advantages(
+            self.estimator, batch, gamma=a.gamma, step_weight=a.step_weight, norm_adv_by_std=a.norm_adv_by_std
+        )
 
     def validate(self, ctx: StepContext) -> dict[str, Any]:
         return super().validate(replace(ctx, engine=self.agent(ctx.engine)))
