@@ -280,3 +280,35 @@ def test_gigpo_is_refused_for_prompts_and_tools_and_taken_for_a_game() -> None:
             load_config(CONFIGS / recipe, ["algorithm.adv_estimator=gigpo"])
     game = load_config(CONFIGS / "quickstart_game.yaml", ["algorithm.adv_estimator=gigpo"])
     assert game.algorithm.adv_estimator == "gigpo"
+
+
+def test_a_game_run_trains_with_gigpo_after_an_expert_warmup(tmp_path: Path) -> None:
+    """`mmrl quickstart --task game` end to end at a tiny size: the expert warm-up, two GiGPO steps and
+    a validation, with the episodes' outcomes in the step metrics. After 30 warm-up steps some episodes
+    are won and some lost, so the policy loss is not zero."""
+    from mmrl.logger import read_metrics
+    from mmrl.quickstart import run_quickstart
+
+    out = tmp_path / "game"
+    overrides = [
+        "algorithm.adv_estimator=gigpo",
+        "warmup.expert_noise=1.0",
+        "warmup.steps=30",
+        "warmup.batch_size=8",
+        "data.train_batch_size=4",
+        "data.max_val_samples=4",
+        "actor.mini_batch_size=4",
+        "rollout.n=4",
+        "trainer.total_steps=2",
+        "trainer.val_every=2",
+        "trainer.save_every=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.progress=false",
+    ]
+    assert run_quickstart(str(out), overrides, task="game") == 0
+    records = read_metrics(out / "run" / "metrics.jsonl")
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(0 <= r["game/success"] <= 1 and r["game/steps"] > 0 for r in steps)
+    assert all(np.isfinite(r["actor/pg_loss"]) for r in steps) and any(r["actor/pg_loss"] for r in steps)
+    assert "val/env_success" in records[-1]
