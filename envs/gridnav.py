@@ -27,8 +27,8 @@ class GridNavEnv(Env):
     """Action: 2-D in [-1, 1]; the axis with the larger magnitude picks the move, its sign the
     direction (x: right/left, y: down/up), and a small action on both axes stays put. The scene: a
     `size` x `size` grid with `walls` wall cells, the agent (blue), the goal cell of the named colour
-    and a decoy of the other colour. Success: the agent on the goal; stepping on the decoy ends the
-    episode as a failure. Reward: 1 on success, plus `shaping` times the decrease in shortest-path
+    and a decoy of the other colour (`decoy=False`: none, so the instruction need not be read).
+    Success: the agent on the goal; stepping on the decoy ends the episode as a failure. Reward: 1 on success, plus `shaping` times the decrease in shortest-path
     distance. State: the agent's row and column, scaled to [0, 1].
 
     `view="top"` draws the whole grid; `view="agent"` draws the (2·size − 1)² cells around the agent,
@@ -49,6 +49,7 @@ class GridNavEnv(Env):
         max_steps: int = 12,
         shaping: float = 0.0,
         view: str = "top",
+        decoy: bool = True,
     ) -> None:
         if size < 3 or not 0 <= walls <= size * size - 3:
             raise ValueError(f"gridnav needs size >= 3 and 0 <= walls <= size^2 - 3, got {size}, {walls}")
@@ -58,25 +59,29 @@ class GridNavEnv(Env):
         if image_size < shown:
             raise ValueError(f"image_size {image_size} cannot draw {shown}x{shown} cells")
         self.image_size, self.size, self.n_walls, self.view = image_size, size, walls, view
-        self.max_steps, self.shaping = max_steps, float(shaping)
+        self.max_steps, self.shaping, self.with_decoy = max_steps, float(shaping), decoy
         self._rng = np.random.default_rng()
         self._edges = np.linspace(0, image_size, shown + 1).round().astype(int)
         self._done = True
         self.walls: set[tuple[int, int]] = set()
-        self.agent = self.goal = self.decoy = (0, 0)
+        self.agent = self.goal = (0, 0)
+        self.decoy: tuple[int, int] | None = None
         self.goal_colour = "green"
         self._steps = 0
         self._distance = 0
 
     def reset(self, seed: int | None = None) -> tuple[Obs, Info]:
-        """A new layout from ``seed``: walls, start, goal and decoy, the goal reachable in 2+ moves."""
+        """A new layout from ``seed``: walls, start, goal and decoy (if any), the goal reachable in 2+
+        moves."""
         if seed is not None:
             self._rng = np.random.default_rng(seed)
         rng = self._rng
         cells = [(r, c) for r in range(self.size) for c in range(self.size)]
         while True:  # rejection sampling: most draws are valid
-            picked = rng.permutation(len(cells))[: self.n_walls + 3]
-            *walls, agent, goal, decoy = (cells[i] for i in picked)
+            picked = rng.permutation(len(cells))[: self.n_walls + 2 + self.with_decoy]
+            chosen = [cells[i] for i in picked]
+            decoy = chosen.pop() if self.with_decoy else None
+            *walls, agent, goal = chosen
             self.place(set(walls), agent, goal, decoy)
             if 2 <= self._distance < len(cells):
                 break
@@ -88,7 +93,7 @@ class GridNavEnv(Env):
         walls: set[tuple[int, int]],
         agent: tuple[int, int],
         goal: tuple[int, int],
-        decoy: tuple[int, int],
+        decoy: tuple[int, int] | None,
     ) -> None:
         """Set the layout (cells as (row, column)) and start a new episode on it; reset() draws one."""
         self.walls, self.agent, self.goal, self.decoy = walls, agent, goal, decoy
@@ -138,7 +143,9 @@ class GridNavEnv(Env):
         frame = np.empty((self.image_size, self.image_size, 3), np.uint8)
         frame[:] = _FLOOR
         decoy = next(v for k, v in _GOALS.items() if k != self.goal_colour)
-        marked = {self.goal: _GOALS[self.goal_colour], self.decoy: decoy}
+        marked = {self.goal: _GOALS[self.goal_colour]}
+        if self.decoy is not None:
+            marked[self.decoy] = decoy
         for r in range(shown):
             for c in range(shown):
                 cell = (origin[0] + r, origin[1] + c)

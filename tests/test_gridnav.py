@@ -70,6 +70,15 @@ def test_the_frame_shows_the_agent_goal_and_decoy_in_their_cells() -> None:
         assert all(cell(w) == [70, 70, 70] for w in env.walls)
 
 
+def test_without_a_decoy_only_the_goal_is_coloured() -> None:
+    colours = {(30, 170, 30), (215, 30, 30)}
+    with make_env("gridnav", size=3, walls=0, decoy=False) as env:
+        for seed in range(20):
+            obs, info = env.reset(seed=seed)
+            shown = {tuple(p) for p in obs["image"].reshape(-1, 3).tolist()} & colours
+            assert env.decoy is None and len(shown) == 1 and info["distance"] >= 2
+
+
 def test_states_recur_so_decisions_from_one_state_can_be_compared() -> None:
     # GiGPO's premise: two episodes from one start meet the same frames again, and a wall bump repeats one.
     with make_env("gridnav") as env:
