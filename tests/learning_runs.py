@@ -140,13 +140,14 @@ RUNS: dict[str, LearningRun] = {
         family="qwen3_vl",
     ),
     # The game quickstart: greedy success on the 100 held-out seeds after 25 GiGPO steps from the
-    # random-move warm-up. Gains GAINS_PLACEHOLDER (seeds 1-3, 2026-11-26, AMD AVX2, docs/benchmarks.md "Games");
-    # a policy that learns nothing stays at the warm-up's 0.08.
+    # random-move warm-up. Gains 0.50, 0.85, 0.11 (0.08 -> 0.58, 0.93, 0.18; seeds 1-3, 2026-11-26, the 2-core
+    # AMD VM, docs/benchmarks.md "Games"): how soon a seed finds the way varies widely. A policy that
+    # learns nothing stays at the warm-up's 0.07-0.08 exactly (greedy play on fixed seeds).
     "game": LearningRun(
         "configs/quickstart_game.yaml",
         game_task,
         steps=25,
-        min_gain=0.0,
+        min_gain=0.05,
         metric="val/env_success",
     ),
     # Success over 100 evaluation episodes. RL's gain over the behaviour-cloned policy: +0.07, -0.01, +0.07,
