@@ -1,11 +1,12 @@
 """A seeded visual task that needs the `image_zoom` tool: name the colours of a small striped mark.
 
 The mark is a square of stripes two pixels wide in one of three colour pairs (red/cyan, green/magenta,
-blue/yellow), at the centre of one of the four quadrants of a large image. Every pair averages to the
-same grey, so at the policy's pixel budget (the image shrunk 4x) the mark is a grey square whose place
-is plain but whose colours are gone: without zooming, the answer is at chance (1/3). Zooming onto the
-mark (its place's box in `BOXES`, shown enlarged) makes the stripes wide and the answer legible. Rows are in the EasyR1 jsonl layout,
-with the mark's box in the model's coordinates (`target_box`, read by the `zoom_hit` grader).
+blue/yellow), at one of a few places in a large image (`PLACES`: the four quadrants' centres, or two).
+Every pair averages to the same grey, so at the policy's pixel budget (the image shrunk 4x) the mark is
+a grey square whose colours are gone: without zooming, the answer is at chance (1/3). Zooming onto the
+mark (its place's box in `boxes()`, shown enlarged) makes the stripes wide and the answer legible.
+Rows are in the EasyR1 jsonl layout, with the mark's box in the model's coordinates (`target_box`, read
+by the `zoom_hit` grader).
 """
 
 from __future__ import annotations
@@ -29,25 +30,45 @@ MODEL_SIZE = 112
 MARK = 48  # the mark's side in original pixels
 STRIPE = 2
 QUESTION = "Zoom in and name the colour of the striped mark."
-# The four places a mark can be (one per quadrant, centred there up to a small jitter), and the box of
-# each in the model's coordinates: 16 px there, 64 px of the original, which the zoom shows at 112 px,
-# so each stripe is 3.5 px wide. A quadrant's box (shown at half size) leaves 1-px stripes, which the
-# tiny model does not learn to tell apart (docs/benchmarks.md, "Agents").
-CENTRES = [
-    (x, y) for y in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4) for x in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4)
-]
+# The places a mark can be, each jittered by a few pixels. Four: one per quadrant's centre. Two: left and
+# right, each centred on one 14-px patch of the policy's view (a mark on a patch corner is split four
+# ways, so each patch the vision tower sees shifts by a few grey levels only, and where the mark is goes
+# unseen). Each place's box in the model's coordinates is 16 px there, 64 px of the original, which the
+# zoom shows at 112 px, so each stripe is 3.5 px wide. A quadrant's box (shown at half size) leaves 1-px
+# stripes, which the tiny model does not learn to tell apart (docs/benchmarks.md, "Agents").
+PLACES = {
+    4: [
+        (x, y) for y in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4) for x in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4)
+    ],
+    2: [(84, 196), (364, 196)],  # patch centres (21, 49) and (91, 49) in the model's view
+}
 FOCUS = 16
-BOXES = [
-    [c * MODEL_SIZE // IMAGE_SIZE + FOCUS // 2 * d for c, d in zip((x, y, x, y), (-1, -1, 1, 1), strict=True)]
-    for x, y in CENTRES
-]
+
+
+def boxes(places: int = 4) -> list[list[int]]:
+    """Each place's tight box in the model's coordinates: what the warm-up's calls draw from."""
+    return [
+        [
+            c * MODEL_SIZE // IMAGE_SIZE + FOCUS // 2 * d
+            for c, d in zip((x, y, x, y), (-1, -1, 1, 1), strict=True)
+        ]
+        for x, y in PLACES[places]
+    ]
+
+
 JITTER = 6  # original pixels either way; the mark stays inside its place's box
 
 
-def draw(rng: np.random.Generator, answer: str, quadrant: int) -> tuple[Image.Image, dict[str, Any]]:
-    """One scene: grey noise, and the `answer` mark at the place of `quadrant`, jittered."""
-    pixels = rng.integers(178, 199, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)  # light grey noise
-    cx, cy = CENTRES[quadrant]
+def draw(
+    rng: np.random.Generator,
+    answer: str,
+    place: int,
+    places: int = 4,
+    background: tuple[int, int] = (178, 199),
+) -> tuple[Image.Image, dict[str, Any]]:
+    """One scene: grey noise in the `background` range, and the `answer` mark at `place` (of `places`)."""
+    pixels = rng.integers(*background, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)
+    cx, cy = PLACES[places][place]
     # Even coordinates: a crop from any box (its edges land on multiples of 4 here) keeps every stripe a
     # pure colour, where an odd start would blend the pairs to a third of their contrast.
     x, y = (c - MARK // 2 + int(rng.integers(-JITTER, JITTER + 1)) // 2 * 2 for c in (cx, cy))
@@ -57,22 +78,24 @@ def draw(rng: np.random.Generator, answer: str, quadrant: int) -> tuple[Image.Im
     pixels[y : y + MARK, x : x + MARK] = np.broadcast_to(stripes, (MARK, MARK, 3))
     scale = MODEL_SIZE / IMAGE_SIZE
     target = [round(v * scale, 1) for v in (x, y, x + MARK, y + MARK)]
-    params = {"x": x, "y": y, "quadrant": quadrant, "target_box": target}
+    params = {"x": x, "y": y, "place": place, "target_box": target}
     return Image.fromarray(pixels), params
 
 
-def generate_zoom(out_dir: str | Path, n_train: int = 512, n_val: int = 96, seed: int = 0) -> dict[str, Any]:
-    """Write `train.jsonl` and `val.jsonl` (balanced answers and quadrants) with their images."""
+def generate_zoom(
+    out_dir: str | Path, n_train: int = 512, n_val: int = 96, seed: int = 0, places: int = 4
+) -> dict[str, Any]:
+    """Write `train.jsonl` and `val.jsonl` (balanced answers and places) with their images."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     histogram = {}
     for split, n in (("train", n_train), ("val", n_val)):
         rng = np.random.default_rng([seed, ("train", "val").index(split), 7])
-        cells = [(a, q) for q in range(4) for a in ANSWERS]
+        cells = [(a, q) for q in range(places) for a in ANSWERS]
         order = [cells[i % len(cells)] for i in rng.permutation(n)]
         lines = []
-        for index, (answer, quadrant) in enumerate(order):
-            image, params = draw(rng, answer, quadrant)
+        for index, (answer, place) in enumerate(order):
+            image, params = draw(rng, answer, place, places)
             rel = f"images/{split}_{index:06d}.png"
             image.save(out / rel, compress_level=1)
             row = {
@@ -85,7 +108,8 @@ def generate_zoom(out_dir: str | Path, n_train: int = 512, n_val: int = 96, seed
             lines.append(json.dumps(row) + "\n")
         (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
         histogram[split] = dict(Counter(a for a, _ in order))
-    meta = {"task": "zoom", "seed": seed, "n_train": n_train, "n_val": n_val, "answers": list(ANSWERS)}
+    meta = {"task": "zoom", "seed": seed, "places": places, "n_train": n_train, "n_val": n_val}
+    meta["answers"] = list(ANSWERS)
     meta["answer_histogram"] = histogram
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta

@@ -229,11 +229,14 @@ def test_bad_counts_and_formats_are_rejected(tmp_path: Path, kwargs: dict[str, A
         generate(tmp_path, **kwargs)
 
 
-def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_in_its_boxs_zoom() -> None:
+@pytest.mark.parametrize("places", [4, 2])
+def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_in_its_boxs_zoom(
+    places: int,
+) -> None:
     """The zoom task's premise: without the tool every answer looks alike; zoomed onto the mark's place
-    (`BOXES`, what the warm-up draws from) the stripes are several pixels wide, in their pure colours."""
+    (`boxes`, what the warm-up draws from) the stripes are several pixels wide, in their pure colours."""
     from mmrl.agent import SeenImage, image_zoom
-    from mmrl.synthetic_zoom import ANSWERS, BOXES, MARK, PAIRS, draw
+    from mmrl.synthetic_zoom import ANSWERS, MARK, PAIRS, boxes, draw
     from processors import PixelBudget, fit_image
 
     budget = PixelBudget(112 * 112, 112 * 112)
@@ -241,19 +244,21 @@ def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_
     means = {}
     for answer in ANSWERS:
         seen = []
-        for quadrant in range(4):
-            original, params = draw(rng, answer, quadrant)
+        for place in range(places):
+            original, params = draw(rng, answer, place, places)
             view = np.asarray(fit_image(original, budget), dtype=float)
             x, y = params["x"] // 4, params["y"] // 4
             seen.append(view[y + 1 : y + MARK // 4 - 1, x + 1 : x + MARK // 4 - 1].reshape(-1, 3).mean(0))
-            zoomed = fit_image(image_zoom(BOXES[quadrant], [SeenImage(original, view.shape[1::-1])]), budget)
+            zoomed = fit_image(
+                image_zoom(boxes(places)[place], [SeenImage(original, view.shape[1::-1])]), budget
+            )
             pixels = np.asarray(zoomed, dtype=int)
             first = np.abs(pixels - PAIRS[answer][0]).max(axis=2) < 40
             second = np.abs(pixels - PAIRS[answer][1]).max(axis=2) < 40
-            assert first.sum() > 400 and second.sum() > 400, (answer, quadrant)  # both colours, nearly pure
+            assert first.sum() > 400 and second.sum() > 400, (answer, place)  # both colours, nearly pure
             # wide stripes: a pure pixel's right neighbour is mostly of the same colour (never, 1 px wide)
             same = (first[:, :-1] & first[:, 1:]).sum() + (second[:, :-1] & second[:, 1:]).sum()
-            assert same > 0.3 * (first[:, :-1].sum() + second[:, :-1].sum()), (answer, quadrant)
+            assert same > 0.3 * (first[:, :-1].sum() + second[:, :-1].sum()), (answer, place)
         means[answer] = np.mean(seen, axis=0)
     spread = np.ptp(np.stack(list(means.values())), axis=0)
     assert (spread < 1.0).all(), means

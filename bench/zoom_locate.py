@@ -1,0 +1,80 @@
+"""Can the tiny policy see where the zoom task's mark is? The first view alone, without the tool.
+
+The zoom quickstart asks the policy to pick the box that holds the mark from its first, shrunk view.
+This probe asks only that: single-turn GRPO with the colour quickstart's recipe on "is the mark on the
+left or the right?", over the zoom task's two-place scenes (`mmrl.synthetic_zoom`, `places=2`). Each
+variant is a quickstart run with its own overrides (`bench/quickstart_sweep.py`); greedy held-out
+accuracy at every validation, where chance is 0.5.
+
+    python bench/zoom_locate.py --variant 112= --variant 56=data.min_pixels=3136,data.max_pixels=3136
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_result
+from quickstart_sweep import run_variant
+
+from mmrl.synthetic_zoom import ANSWERS, draw
+
+QUESTION = "<image>Is the grey mark on the left or the right?"
+
+
+def write_rows(data_dir: Path, background: tuple[int, int], n_train: int = 1024, n_val: int = 96) -> None:
+    """Balanced left/right scenes with every mark colour, in the EasyR1 jsonl layout."""
+    (data_dir / "images").mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("val", n_val)):
+        rng = np.random.default_rng([0, ("train", "val").index(split), 9])
+        lines = []
+        for i in range(n):
+            place, answer = i % 2, ANSWERS[i // 2 % len(ANSWERS)]
+            image, _ = draw(rng, answer, place, places=2, background=background)
+            rel = f"images/{split}_{i:05d}.png"
+            image.save(data_dir / rel, compress_level=1)
+            row = {"problem": QUESTION, "answer": ("left", "right")[place], "images": [rel]}
+            lines.append(json.dumps(row) + "\n")
+        (data_dir / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variant", action="append", required=True, help="NAME=override,override,...")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--background", default="178,199", help="the noise's grey range, as LO,HI")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="zoom_locate_"))
+    low, high = (int(v) for v in args.background.split(","))
+    schedule = [f"trainer.total_steps={args.steps}", "trainer.val_every=25", "trainer.save_every=100000"]
+    variants = [v.split("=", 1) for v in args.variant]
+    for name, _ in variants:
+        write_rows(root / name / "data", (low, high))
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [
+            pool.submit(
+                run_variant, "colour", name, [*schedule, *(o for o in rest.split(",") if o)], root, 7200
+            )
+            for name, rest in variants
+        ]
+        rows = [f.result() for f in futures]
+    print(f"\nleft or right, greedy held-out accuracy (chance 0.5), background {low}-{high}")
+    for r in rows:
+        print(f"{r['variant']:<10} {r['wall_s']:>5} s  " + " ".join(f"{s}:{v:.2f}" for s, v in r["val"]))
+    write_result(args.out, {"machine": machine(), "background": [low, high], "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
