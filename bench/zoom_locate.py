@@ -18,31 +18,24 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_result
 from quickstart_sweep import run_variant
 
-from mmrl.synthetic_zoom import ANSWERS, draw
+from mmrl.synthetic_zoom import generate_zoom
 
 QUESTION = "<image>Is the grey mark on the left or the right?"
 
 
 def write_rows(data_dir: Path, background: tuple[int, int], n_train: int = 1024, n_val: int = 96) -> None:
-    """Balanced left/right scenes with every mark colour, in the EasyR1 jsonl layout."""
-    (data_dir / "images").mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("val", n_val)):
-        rng = np.random.default_rng([0, ("train", "val").index(split), 9])
-        lines = []
-        for i in range(n):
-            place, answer = i % 2, ANSWERS[i // 2 % len(ANSWERS)]
-            image, _ = draw(rng, answer, place, places=2, background=background)
-            rel = f"images/{split}_{i:05d}.png"
-            image.save(data_dir / rel, compress_level=1)
-            row = {"problem": QUESTION, "answer": ("left", "right")[place], "images": [rel]}
-            lines.append(json.dumps(row) + "\n")
-        (data_dir / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+    """The zoom task's two-place scenes, each row asking for the mark's side instead of its colour."""
+    generate_zoom(data_dir, n_train, n_val, places=2, background=background)
+    for split in ("train", "val"):
+        path = data_dir / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        for row in rows:
+            row |= {"problem": QUESTION, "answer": ("left", "right")[row["params"]["place"]]}
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 
 def main() -> None:

@@ -83,7 +83,12 @@ def draw(
 
 
 def generate_zoom(
-    out_dir: str | Path, n_train: int = 512, n_val: int = 96, seed: int = 0, places: int = 4
+    out_dir: str | Path,
+    n_train: int = 512,
+    n_val: int = 96,
+    seed: int = 0,
+    places: int = 4,
+    background: tuple[int, int] = (178, 199),
 ) -> dict[str, Any]:
     """Write `train.jsonl` and `val.jsonl` (balanced answers and places) with their images."""
     out = Path(out_dir)
@@ -95,7 +100,7 @@ def generate_zoom(
         order = [cells[i % len(cells)] for i in rng.permutation(n)]
         lines = []
         for index, (answer, place) in enumerate(order):
-            image, params = draw(rng, answer, place, places)
+            image, params = draw(rng, answer, place, places, background)
             rel = f"images/{split}_{index:06d}.png"
             image.save(out / rel, compress_level=1)
             row = {
@@ -109,7 +114,6 @@ def generate_zoom(
         (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
         histogram[split] = dict(Counter(a for a, _ in order))
     meta = {"task": "zoom", "seed": seed, "places": places, "n_train": n_train, "n_val": n_val}
-    meta["answers"] = list(ANSWERS)
-    meta["answer_histogram"] = histogram
+    meta |= {"answers": list(ANSWERS), "answer_histogram": histogram}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta

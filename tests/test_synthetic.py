@@ -262,3 +262,22 @@ def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_
         means[answer] = np.mean(seen, axis=0)
     spread = np.ptp(np.stack(list(means.values())), axis=0)
     assert (spread < 1.0).all(), means
+
+
+def test_the_two_place_zoom_task_shows_its_mark_inside_one_patch_of_the_policys_view() -> None:
+    """Two places sit on 14-px patch centres, so the mark darkens one patch the vision tower reads by tens
+    of grey levels, where a mark on a patch corner (the quadrants' centres) spreads a dent of a few over four."""
+    from mmrl.synthetic_zoom import draw
+    from processors import PixelBudget, fit_image
+
+    budget = PixelBudget(112 * 112, 112 * 112)
+    rng = np.random.default_rng(0)
+
+    def darkest_patch_dent(places: int, place: int) -> float:
+        original, _ = draw(rng, "red", place, places)
+        view = np.asarray(fit_image(original, budget), dtype=float).mean(axis=2)
+        patches = view.reshape(8, 14, 8, 14).mean(axis=(1, 3))
+        return float(np.median(patches) - patches.min())
+
+    assert all(darkest_patch_dent(2, place) > 30 for place in range(2))
+    assert all(darkest_patch_dent(4, place) < 20 for place in range(4))
