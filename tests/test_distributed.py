@@ -27,7 +27,7 @@ from mmrl.logger import read_metrics
 from mmrl.lora import apply_lora, gather_shards, load_with_adapter
 from mmrl.micro_batches import deal, pack_rows, row_lengths
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor
-from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.rollout import HFEngine, SamplingParams, cpu_shm
 from mmrl.rollout.prompts import build_datasets
 from mmrl.rollout.vllm import vllm_available
 from mmrl.synthetic import generate
@@ -401,8 +401,14 @@ def test_lora_workers_share_one_tensor_parallel_vllm_engine_fed_from_their_shard
         )
         return slices[0][-1]  # the vision tower's block comes first, the language model's last
 
+    # What a killed engine leaves behind (vLLM 0.32 names the segments so in every external-launcher run):
+    # startup used to fail on it with 'create shm in SHMManager failed. errno: 17'.
+    for rank in (0, 1):
+        (cpu_shm.SHM / f"-tp:0-[0-1]-cpushm_{rank}").write_bytes(b"")
     group = PolicyGroup(cfg)
     try:
+        left = sorted(cpu_shm.SHM.glob(cpu_shm.PATTERN))
+        assert not left, f"the running engine's shared memory should have no name left to collide on: {left}"
         gate_up = ray.get([w.__ray_call__.remote(gate_up_rows) for w in group.group.workers])
         full = 2 * model.config.text_config.intermediate_size
         assert gate_up == [full // 2, full // 2], f"each rank should hold half of {full} rows: {gate_up}"

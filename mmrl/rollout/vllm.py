@@ -32,6 +32,7 @@ from mmrl.config import VLLMConfig
 from mmrl.data import PromptSample
 from mmrl.lora import merged_state
 from mmrl.models import family_of, model_folder, never_generated_ids, tokenizer_of
+from mmrl.rollout import cpu_shm
 from mmrl.rollout.base import POSITION_RULE, SamplingParams
 from processors import PositionRule, Video, keep_frames_kwargs
 
@@ -143,8 +144,12 @@ class VLLMEngine:
         # cannot rewind a seeded generator when it splits a long prefill over several steps, so on CPU
         # requests use the engine's own RNG, seeded once from `seed`.
         self.per_request_seeds = not current_platform.is_cpu()
+        shares_cpu_memory = settings.tensor_parallel_size > 1 and current_platform.is_cpu()
         if settings.tensor_parallel_size > 1:
             os.environ.update(_launcher_env())
+        if shares_cpu_memory:
+            cpu_shm.clear_stale()
+            torch.distributed.barrier()  # no rank creates its segment while another still clears
         _readable_by_vllms_module_scan()
         self.llm = LLM(
             model=str(model_folder(model_path)),
@@ -162,6 +167,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             **(self._media_options(processor, min_pixels, max_pixels) if family.takes_images else {}),
         )
+        if shares_cpu_memory:
+            cpu_shm.release_names()
         self.syncs = 0
         self._unchecked = {"image", "video"}  # media kinds whose placeholder expansion is still to check
         self._asleep = False
