@@ -41,6 +41,7 @@ PLACES = {
         (x, y) for y in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4) for x in (IMAGE_SIZE // 4, 3 * IMAGE_SIZE // 4)
     ],
     2: [(84, 196), (364, 196)],  # patch centres (21, 49) and (91, 49) in the model's view
+    1: [(IMAGE_SIZE // 4, IMAGE_SIZE // 4)],  # the top-left quadrant's: where to zoom is fixed
 }
 FOCUS = 16
 

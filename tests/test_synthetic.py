@@ -229,7 +229,7 @@ def test_bad_counts_and_formats_are_rejected(tmp_path: Path, kwargs: dict[str, A
         generate(tmp_path, **kwargs)
 
 
-@pytest.mark.parametrize("places", [4, 2])
+@pytest.mark.parametrize("places", [4, 2, 1])
 def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_in_its_boxs_zoom(
     places: int,
 ) -> None:
