@@ -39,7 +39,7 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
             assert cfg.agent is not None and cfg.agent.game is not None
             write_game_rows(data_dir, cfg.agent.game.task, cfg.agent.game.options, GAME_SEEDS)
         elif task == "zoom":
-            generate_zoom(data_dir, n_train=512, n_val=96, seed=0)
+            generate_zoom(data_dir, n_train=512, n_val=96, seed=0, places=1)
         else:
             generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
     if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh

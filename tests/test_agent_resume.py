@@ -42,6 +42,7 @@ def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
         "warmup.batch_size=16",
         "data.train_batch_size=4",
         "actor.mini_batch_size=2",  # two optimizer steps per batch: old log-probs are recomputed
+        "actor.ppo_epochs=1",
         "rollout.n=4",
         f'reward.functions=[{{name: "{root / "reward.py"}:scramble"}}]',
         "trainer.loggers=[jsonl]",
