@@ -40,8 +40,17 @@ def clear_stale() -> None:
         if pid.name.isdigit():
             stale -= mapped_segments(pid.name)
     for path in sorted(stale):
-        path.unlink(missing_ok=True)
-        log.info("removed %s, shared memory a killed vLLM CPU engine left behind", path)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:  # another user's: their processes' maps are not ours to read
+            log.warning(
+                "could not remove %s (%s); if vLLM then fails with 'errno: 17', no second CPU tensor-parallel "
+                "engine can start on this machine until its owner's engine stops or the file is removed",
+                path,
+                err.strerror,
+            )
+        else:
+            log.info("removed %s, shared memory a killed vLLM CPU engine left behind", path)
 
 
 def release_names() -> None:
