@@ -1,7 +1,7 @@
 """A seeded visual task that needs the `image_zoom` tool: name the colours of a small striped mark.
 
 The mark is a square of stripes two pixels wide in one of three colour pairs (red/cyan, green/magenta,
-blue/yellow), at one of a few places in a large image (`PLACES`: the four quadrants' centres, or two).
+blue/yellow), at one of a few places in a large image (`PLACES`: the four quadrants' centres, two, or one).
 Every pair averages to the same grey, so at the policy's pixel budget (the image shrunk 4x) the mark is
 a grey square whose colours are gone: without zooming, the answer is at chance (1/3). Zooming onto the
 mark (its place's box in `boxes()`, shown enlarged) makes the stripes wide and the answer legible.

@@ -18,16 +18,14 @@ def test_stale_segments_are_removed_mapped_ones_kept_and_released_once_mapped() 
     live, stale = (cpu_shm.SHM / f"{group}_{rank}" for rank in (0, 1))
     for path in (live, stale):
         path.write_bytes(b"\0" * mmap.PAGESIZE)
-    with live.open("r+b") as file, mmap.mmap(file.fileno(), mmap.PAGESIZE) as memory:
+    with live.open("r+b") as file, mmap.mmap(file.fileno(), mmap.PAGESIZE):  # a live engine's mapping
         try:
             assert cpu_shm.mapped_segments() == {live}
             cpu_shm.clear_stale()
             assert live.exists(), "a segment a running process maps was removed"
             assert not stale.exists(), "the segment no process maps was left behind"
             cpu_shm.release_names()
-            assert not live.exists()
-            memory[:4] = b"kept"  # the memory outlives its name
-            assert memory[:4] == b"kept"
+            assert not live.exists(), "a mapped segment kept its name after startup"
         finally:
             for path in (live, stale):
                 path.unlink(missing_ok=True)
