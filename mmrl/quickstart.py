@@ -17,6 +17,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # played over several turns, each move answered by the next frame.
 TASKS = {"colour": "quickstart.yaml", "zoom": "quickstart_agent.yaml", "game": "quickstart_game.yaml"}
 GAME_SEEDS = {"train": list(range(4096)), "val": list(range(1_000_000, 1_000_100))}
+ZOOM_DATA = {"n_train": 512, "n_val": 96, "seed": 0, "places": 1}  # the mark at one place (synthetic_zoom)
 
 
 def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
@@ -39,7 +40,7 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
             assert cfg.agent is not None and cfg.agent.game is not None
             write_game_rows(data_dir, cfg.agent.game.task, cfg.agent.game.options, GAME_SEEDS)
         elif task == "zoom":
-            generate_zoom(data_dir, n_train=512, n_val=96, seed=0, places=1)
+            generate_zoom(data_dir, **ZOOM_DATA)
         else:
             generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
     if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh

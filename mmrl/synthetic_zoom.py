@@ -57,7 +57,12 @@ def boxes(places: int = 4) -> list[list[int]]:
     ]
 
 
-JITTER = 6  # original pixels either way; the mark stays inside its place's box
+# Original pixels either way, in steps of 4 (one stripe pair): the mark stays inside its place's box, and
+# a crop from any box (its edges land on multiples of 4) shows the stripes in one phase, so a colour pair
+# always reaches the vision tower's patches as the same pattern. With steps of 2 the phase flipped from
+# scene to scene, and the tiny model did not learn to read the crop even from 4,800 labelled trajectories
+# (docs/benchmarks.md, "Agents", fifth pass).
+JITTER = 8
 
 
 def draw(
@@ -70,9 +75,7 @@ def draw(
     """One scene: grey noise in the `background` range, and the `answer` mark at `place` (of `places`)."""
     pixels = rng.integers(*background, size=(IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.uint8)
     cx, cy = PLACES[places][place]
-    # Even coordinates: a crop from any box (its edges land on multiples of 4 here) keeps every stripe a
-    # pure colour, where an odd start would blend the pairs to a third of their contrast.
-    x, y = (c - MARK // 2 + int(rng.integers(-JITTER, JITTER + 1)) // 2 * 2 for c in (cx, cy))
+    x, y = (c - MARK // 2 + 4 * int(rng.integers(-JITTER // 4, JITTER // 4 + 1)) for c in (cx, cy))
     first, second = PAIRS[answer]
     index = np.arange(MARK) // STRIPE % 2
     stripes = np.where(index[None, :, None] == 0, first, second)  # vertical stripes

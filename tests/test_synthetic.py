@@ -264,6 +264,30 @@ def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_
     assert (spread < 1.0).all(), means
 
 
+def test_the_zoom_tasks_stripes_reach_the_zoomed_view_in_one_phase_whatever_the_jitter() -> None:
+    """Where every jittered mark covers the crop, scenes of one answer zoom to the same pixels: the tower
+    meets one pattern per colour pair (with a flipping phase the tiny model never learned to read it)."""
+    from mmrl.agent import SeenImage, image_zoom
+    from mmrl.synthetic_zoom import ANSWERS, JITTER, MARK, boxes, draw
+    from processors import PixelBudget, fit_image
+
+    budget = PixelBudget(112 * 112, 112 * 112)
+    rng = np.random.default_rng(0)
+    box = boxes(1)[0]
+    scale = 112 / ((box[2] - box[0]) * 4)  # the crop's pixels per original pixel
+    # the columns and rows that every mark covers, in the zoomed view (a pixel's margin for resampling)
+    lo, hi = round((2 * JITTER) * scale) + 2, round(MARK * scale) - 2
+    for answer in ANSWERS:
+        crops, xs = [], set()
+        for _ in range(12):
+            original, params = draw(rng, answer, 0, places=1)
+            xs.add(params["x"])
+            zoomed = fit_image(image_zoom(box, [SeenImage(original, (112, 112))]), budget)
+            crops.append(np.asarray(zoomed, dtype=int)[lo:hi, lo:hi])
+        assert len(xs) > 2, "the mark should move between scenes"
+        assert all(np.abs(c - crops[0]).max() < 40 for c in crops), answer
+
+
 def test_the_two_place_zoom_task_shows_its_mark_inside_one_patch_of_the_policys_view() -> None:
     """Two places sit on 14-px patch centres, so the mark darkens one patch the vision tower reads by tens
     of grey levels, where a mark on a patch corner (the quadrants' centres) spreads a dent of a few over four."""
