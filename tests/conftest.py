@@ -69,9 +69,11 @@ def tiny_family_dir(tmp_path_factory: pytest.TempPathFactory):
 # one core while the other idles. Seconds are one test's time on a 2-core machine with the other core busy
 # (2026-11-25, `--durations`); a test that matches no entry is short.
 LONGEST_FIRST = (
+    "test_zoom_learning.py",  # 1,100 s (2026-11-27): 30 agent steps after a 4-minute warm-up
     "test_vla_learning.py",  # 340 s
     "test_learning.py::test_video_quickstart",  # 260 s
     "test_learning_recipes.py",  # 5 runs, 140-230 s each
+    "test_game_learning.py",  # 255 s (2026-11-27)
     "test_custom_reward_learning.py",  # 150 s
     "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl",  # 140 s
     "test_learning.py::test_quickstart_recipe_learns",  # 140 s

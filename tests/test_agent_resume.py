@@ -37,7 +37,7 @@ def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
         "actor.lr_schedule=constant",
         "trainer.val_every=0",
         "trainer.val_before_train=false",
-        "warmup.steps=40",
+        "warmup.steps=60",
         "warmup.lr=1e-2",  # the call format is one fixed string but for the box: learned fast at this rate
         "warmup.batch_size=16",
         "data.train_batch_size=4",
