@@ -118,7 +118,7 @@ class MujocoEnv(Env):
     def step(self, action: np.ndarray) -> StepResult:
         """Apply ``action`` (clipped to [-1, 1]) for ``substeps`` physics steps and score the result."""
         a = self._checked_action(action, self._done)
-        self.data.ctrl[:] = self._ctrl_low + (a + 1.0) * 0.5 * (self._ctrl_high - self._ctrl_low)
+        self.data.ctrl[:] = self._controls(a)
         mujoco.mj_step(self.model, self.data, nstep=self.substeps)
         self._steps += 1
 
@@ -135,6 +135,10 @@ class MujocoEnv(Env):
         self._renderer.close()
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _controls(self, a: np.ndarray) -> np.ndarray:
+        """Actuator controls for a clipped action: each dimension mapped linearly onto its ctrlrange."""
+        return self._ctrl_low + (a + 1.0) * 0.5 * (self._ctrl_high - self._ctrl_low)
+
     def physics_state(self) -> np.ndarray:
         """The full MuJoCo physics state (time, qpos, qvel, actuator state), to check determinism."""
         spec = mujoco.mjtState.mjSTATE_FULLPHYSICS

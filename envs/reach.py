@@ -13,7 +13,7 @@ import numpy as np
 
 from envs.mujoco_env import COLOURS, MujocoEnv
 
-__all__ = ["ELBOW_LIMIT", "LINK", "TOUCH", "ReachEnv", "forward_kinematics"]
+__all__ = ["ELBOW_LIMIT", "LINK", "TIP_SPEED", "TOUCH", "ReachEnv", "forward_kinematics", "jacobian"]
 
 LINK = 0.12  # both links, metres (envs/assets/reach.xml)
 ELBOW_LIMIT = 2.6  # rad, the elbow joint's range is ±ELBOW_LIMIT
@@ -22,15 +22,44 @@ _N_BALLS = 3
 _BALL_RADII = (0.09, 0.21)  # ball distance from the base: inside the arm's reach at any elbow angle
 _MIN_GAP = 0.09  # between balls, so one touch never grazes another
 _START_CLEARANCE = 0.08  # fingertip to any ball at reset, so no episode starts touching
+TIP_SPEED = 0.4  # m/s: the fingertip speed of a full action under control="tip" (2 cm a step)
+_DAMPING = 0.02  # m: damped least squares keeps joint speeds finite near the arm's singular poses
 
 
 class ReachEnv(MujocoEnv):
-    """Action: shoulder and elbow velocity, each in [-1, 1] (±3 rad/s). Success: fingertip within
-    ``TOUCH`` of the target ball. State: shoulder angle (wrapped), elbow angle, their velocities,
-    fingertip x, y (float32, 6 values). 40 steps by default."""
+    """Action under ``control="joint"``: shoulder and elbow velocity, each in [-1, 1] (±3 rad/s).
+    Under ``control="tip"``: the fingertip's velocity in the table plane, x and y in [-1, 1]
+    (±``TIP_SPEED``), turned into joint velocities through the arm's Jacobian, the end-effector
+    delta actions LIBERO and Meta-World policies emit. Success: fingertip within ``TOUCH`` of the
+    target ball. State: shoulder angle (wrapped), elbow angle, their velocities, fingertip x, y
+    (float32, 6 values). 40 steps by default."""
 
     asset = "reach.xml"
     default_max_steps = 40
+
+    def __init__(
+        self,
+        *,
+        image_size: int = 64,
+        camera: str = "top",
+        max_steps: int | None = None,
+        shaping: float = 0.0,
+        control: str = "joint",
+    ) -> None:
+        if control not in ("joint", "tip"):
+            raise ValueError(f"control must be 'joint' or 'tip', got {control!r}")
+        super().__init__(image_size=image_size, camera=camera, max_steps=max_steps, shaping=shaping)
+        self.control = control
+
+    def _controls(self, a: np.ndarray) -> np.ndarray:
+        if self.control == "joint":
+            return super()._controls(a)
+        # damped least squares: the joint velocities whose tip velocity is nearest the one asked for
+        j = jacobian(self.data.qpos[:2])
+        qdot = j.T @ np.linalg.solve(j @ j.T + _DAMPING**2 * np.eye(2), a * TIP_SPEED)
+        largest = float(np.abs(qdot).max())
+        limit = float(self._ctrl_high.min())
+        return qdot * min(1.0, limit / largest) if largest > 0 else qdot  # slow down, keep direction
 
     def _layout(self, rng: np.random.Generator) -> str:
         names = [str(c) for c in rng.permutation(list(COLOURS))[:_N_BALLS]]
@@ -82,6 +111,17 @@ class ReachEnv(MujocoEnv):
         q, qd = self.data.qpos, self.data.qvel
         shoulder = math.remainder(q[0], 2 * math.pi)
         return np.array([shoulder, q[1], qd[0], qd[1], *self.tip_xy], dtype=np.float32)
+
+
+def jacobian(q: np.ndarray) -> np.ndarray:
+    """d(fingertip x, y) / d(shoulder, elbow) at joint angles ``q``."""
+    shoulder, elbow = q[0], q[0] + q[1]
+    return LINK * np.array(
+        [
+            [-math.sin(shoulder) - math.sin(elbow), -math.sin(elbow)],
+            [math.cos(shoulder) + math.cos(elbow), math.cos(elbow)],
+        ]
+    )
 
 
 def forward_kinematics(q: np.ndarray) -> np.ndarray:

@@ -517,6 +517,14 @@ class TrainerConfig(_Section):
         """Ray worker groups (and FSDP2) instead of training inside the controller's process."""
         return self.world_size > 1 or self.ray_address is not None
 
+    def torch_device(self) -> str:
+        """`device`, with "auto" resolved to cuda where a GPU is visible."""
+        import torch
+
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class Config(_Section):
     model: ModelConfig

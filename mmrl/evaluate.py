@@ -61,11 +61,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_for_eval(cfg: Config, checkpoint: str | Path) -> tuple[Path, Any, Any, Any]:
     """The checkpoint's model folder, the model in eval mode, its processor, and a rollout engine on it."""
     model_dir = resolve_checkpoint(checkpoint)
-    device = (
-        cfg.trainer.device
-        if cfg.trainer.device != "auto"
-        else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device = cfg.trainer.torch_device()
     if is_adapter(model_dir):
         model = load_with_adapter(model_dir, device).eval()
     else:

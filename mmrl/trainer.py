@@ -86,11 +86,7 @@ class Trainer:
             self.console.print(changes, markup=False, highlight=False, soft_wrap=True)
         record_config(self.run_dir, cfg, start)
         seed_everything(cfg.trainer.seed)
-        device = (
-            cfg.trainer.device
-            if cfg.trainer.device != "auto"
-            else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        device = cfg.trainer.torch_device()
         # Trained weights stay fp32; `model.dtype` sets the compute precision (autocast).
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
         self.processor = load_processor(cfg.model.path)

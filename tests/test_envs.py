@@ -16,7 +16,7 @@ from envs import Env, Info, make_env, register_env, registered_envs, registry
 from envs.experts import collect_demos, expert_action, push_expert, scripted_expert
 from envs.mujoco_env import COLOURS, MujocoEnv
 from envs.push import PushEnv
-from envs.reach import ReachEnv
+from envs.reach import TIP_SPEED, ReachEnv
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = ("reach", "push")
@@ -196,6 +196,47 @@ def test_reach_fails_on_touching_a_distractor() -> None:
         _, reward, terminated, _, info = env.step(np.zeros(2))
         assert terminated and not info["success"] and reward == 0.0
         assert info["failure"] == f"touched the {env.distractor_colours[1]} ball"
+
+
+@pytest.mark.parametrize("direction", [(1.0, 0.0), (0.0, -1.0), (-0.5, 0.5)])
+def test_tip_control_moves_the_fingertip_as_asked(direction: tuple[float, float]) -> None:
+    asked = np.array(direction)
+    with make_env("reach", control="tip") as env:
+        env.reset(seed=0)
+        env.data.qpos[:] = [0.3, 1.6]  # away from the arm's singular poses (straight or folded)
+        env.data.qvel[:] = 0
+        env.step(np.zeros(2))
+        start = env.tip_xy
+        for _ in range(5):
+            env.step(asked)
+        moved = env.tip_xy - start
+    cosine = moved @ asked / (np.linalg.norm(moved) * np.linalg.norm(asked))
+    speed = np.linalg.norm(moved) / (5 * 0.05)  # 5 steps of 0.05 s
+    assert cosine > 0.98
+    assert 0.6 * TIP_SPEED * np.linalg.norm(asked) < speed <= TIP_SPEED * np.linalg.norm(asked)
+    with pytest.raises(ValueError, match="control must be 'joint' or 'tip'"):
+        make_env("reach", control="cartesian")
+
+
+def test_the_wrist_camera_centres_the_fingertip_and_shows_where_the_target_lies() -> None:
+    with make_env("reach", camera="wrist", image_size=84) as env:
+        for seed in range(5):
+            frame = env.reset(seed=seed)[0]["image"]
+            rgb = np.array(COLOURS[env.target_colour]) * 255
+            rows, cols = np.nonzero(np.abs(frame.astype(int) - rgb).max(axis=-1) < 30)
+            seen = np.array([cols.mean() - 41.5, 41.5 - rows.mean()])  # image right and up from the centre
+            offset = env.target_xy - env.tip_xy
+            assert seen @ offset / (np.linalg.norm(seen) * np.linalg.norm(offset)) > 0.97, f"seed {seed}"
+            assert frame[40:44, 40:44].max(axis=-1).min() < 60, (
+                f"seed {seed}: no black fingertip at the centre"
+            )
+
+
+def test_the_tip_control_expert_succeeds_without_noise() -> None:
+    with make_env("reach", control="tip") as env:
+        for seed in range(10):
+            info = run_episode(env, seed, lambda e: expert_action(e, np.random.default_rng(), noise=0.0))
+            assert info["success"], f"seed {seed}: {info}"
 
 
 def test_push_succeeds_when_the_block_is_on_the_patch() -> None:

@@ -137,7 +137,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             stats=ActionStats.from_demos([demo_labels(d, sft.labels) for d in used]),
         )
         processor = load_processor(sft.base_model)
-        model = load_policy(sft.base_model, torch.float32, "cpu")
+        model = load_policy(sft.base_model, torch.float32, cfg.trainer.torch_device())
         steps = demo_steps(used, tokenizer, sft.labels)
         losses = behaviour_clone(
             model,
@@ -160,6 +160,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         "demo_success": rate,
         "cloned_demos": len(used),
         "loss": [losses[0], losses[-1]],
+        "loss_curve": loss_curve(losses),
         "label_prior_loss": prior,
     }
     (out / "sft_report.json").write_text(json.dumps(report, indent=1))
@@ -174,6 +175,12 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             "more visual tokens (data.max_pixels).[/yellow]"
         )
     return out
+
+
+def loss_curve(losses: list[float], points: int = 20) -> list[float]:
+    """Mean loss over `points` equal spans of the run: whether cloning still improves, stalled or diverged."""
+    spans = np.array_split(np.asarray(losses), min(points, len(losses)))
+    return [round(float(span.mean()), 4) for span in spans]
 
 
 def label_prior_loss(targets: list[list[int]]) -> float:
