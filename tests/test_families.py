@@ -142,3 +142,17 @@ def test_no_module_outside_its_adapter_names_a_model_class() -> None:
         text=True,
     ).stdout.split()
     assert all(path.startswith("mmrl/models/") for path in found), found
+
+
+def test_a_transformers_that_would_drop_encoded_media_is_refused(tiny_model_dir, monkeypatch) -> None:
+    """transformers < 5.18 swallows `mm_encoder_outputs` in **kwargs: the policy would train blind."""
+    from mmrl.models import family as families
+
+    family = family_of(AutoConfig.from_pretrained(tiny_model_dir))
+    monkeypatch.setattr(families.transformers, "__version__", "5.17.0")
+    families._takes_encoded_media.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"transformers>=5\.18,<5\.20"):
+            family.hidden_states(None, torch.zeros(1, 4, dtype=torch.long), None, torch.zeros(1, 4), {"image": ()})
+    finally:
+        families._takes_encoded_media.cache_clear()

@@ -10,12 +10,15 @@ itself with `@register`. Adding a family is one module and one import in `mmrl/m
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import nn
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
@@ -210,6 +213,14 @@ class Family:
         A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss.
         No `attention` for packed rows (`mmrl.packing`): the positions keep the sequences apart."""
         extra = {"output_router_logits": True} if router_losses is not None else {}
+        if media and not _takes_encoded_media():
+            # Older versions take **kwargs and drop the encoded media without a word: the policy
+            # would then train blind, every image token left as its placeholder embedding.
+            raise RuntimeError(
+                f"transformers {transformers.__version__} cannot take media encoded beforehand "
+                "(mm_encoder_outputs), so the policy would not see its images; mmrl needs "
+                "transformers>=5.18,<5.20: pip install 'transformers>=5.18,<5.20'"
+            )
         out = model.model(
             input_ids=input_ids,
             attention_mask=attention,
@@ -291,3 +302,9 @@ class Family:
     def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
         """The processor a real checkpoint of this family ships (image and video processors, tokenizer)."""
         raise NotImplementedError
+
+
+@functools.cache
+def _takes_encoded_media() -> bool:
+    """Whether the installed transformers' VLMs accept `mm_encoder_outputs` (5.18 and later)."""
+    return Version(transformers.__version__).release >= (5, 18)
