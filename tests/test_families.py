@@ -153,6 +153,8 @@ def test_a_transformers_that_would_drop_encoded_media_is_refused(tiny_model_dir,
     families._takes_encoded_media.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"transformers>=5\.18,<5\.20"):
-            family.hidden_states(None, torch.zeros(1, 4, dtype=torch.long), None, torch.zeros(1, 4), {"image": ()})
+            family.hidden_states(
+                None, torch.zeros(1, 4, dtype=torch.long), None, torch.zeros(1, 4), {"image": ()}
+            )
     finally:
         families._takes_encoded_media.cache_clear()
