@@ -27,7 +27,7 @@ from mmrl.trainer import Trainer
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts, frame_history
-from mmrl.vla.sft import demo_steps, label_prior_loss
+from mmrl.vla.sft import demo_steps, label_prior_loss, loss_curve
 from mmrl.vla.source import episode_advantages, step_advantages, train_seeds
 from processors import PixelBudget
 
@@ -184,6 +184,11 @@ def test_label_prior_loss_is_the_per_position_entropy_of_the_labels() -> None:
     # position 0: ids 1, 1, 2, 2 (ln 2); position 1: 5, 5, 5, 5 (0) -> mean ln 2 / 2
     assert label_prior_loss([[1, 5], [1, 5], [2, 5], [2, 5]]) == pytest.approx(math.log(2) / 2)
     assert label_prior_loss([[3, 4]] * 5) == 0.0
+
+
+def test_the_loss_curve_averages_equal_spans_of_the_run() -> None:
+    assert loss_curve([4.0, 2.0, 1.0, 1.0, 0.5, 0.5], points=3) == [3.0, 1.0, 0.5]
+    assert loss_curve([2.0, 1.0], points=20) == [2.0, 1.0]  # fewer updates than points: one each
 
 
 def test_demo_targets_are_action_chunks_with_the_last_action_repeated() -> None:
