@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,16 +235,47 @@ def collect_demos(
     *,
     seed: int = 0,
     noise: float | None = None,
+    workers: int = 1,
     progress: Callable[[], object] | None = None,
     **env_kwargs: object,
 ) -> list[Demo]:
     """Roll out the expert on env seeds ``seed .. seed + n - 1``; failed episodes are kept and flagged,
-    so callers choose between success-only SFT data and the full mix. ``progress`` is called per episode."""
+    so callers choose between success-only SFT data and the full mix. ``progress`` is called per episode.
+
+    With ``workers`` > 1, processes collect slices of the seeds: a demo depends only on its seed, so
+    the demos are the same as one process collects, in the same order."""
+    if workers > 1 and n > 1:
+        return _collect_in_processes(task, n, seed, noise, workers, progress, env_kwargs)
     demos = []
     with make_env(task, **env_kwargs) as env:
         for episode_seed in range(seed, seed + n):
             demos.append(_rollout(env, episode_seed, noise))
             if progress is not None:
+                progress()
+    return demos
+
+
+def _collect_in_processes(
+    task: str,
+    n: int,
+    seed: int,
+    noise: float | None,
+    workers: int,
+    progress: Callable[[], object] | None,
+    env_kwargs: dict[str, object],
+) -> list[Demo]:
+    # Spawned, not forked: the caller may hold torch's thread pool or a GL context, which a fork copies
+    # half-alive. Slices of about a tenth of each worker's share keep the progress bar moving.
+    size = max(1, math.ceil(n / (workers * 10)))
+    starts = range(seed, seed + n, size)
+    collect = functools.partial(collect_demos, task, noise=noise, **env_kwargs)
+    demos: list[Demo] = []
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        slices = [pool.submit(collect, min(size, seed + n - start), seed=start) for start in starts]
+        for done in slices:
+            part = done.result()
+            demos.extend(part)
+            for _ in part if progress is not None else ():
                 progress()
     return demos
 

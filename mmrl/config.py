@@ -449,12 +449,15 @@ class AgentConfig(_Section):
     tool_workers: int = Field(2, gt=0, description="Worker processes for tools from files")
 
 
-class SftConfig(_Section):
+class SftConfig(_OptimSection):
     """`mmrl sft`: behaviour cloning on noisy scripted demos, writing the model RL starts from (model.path)."""
 
     base_model: str = Field(description="The model cloning starts from (e.g. `mmrl model init-tiny` output)")
     demos: int = Field(200, gt=0, description="Expert episodes")
     demo_seed: int = Field(500_000, ge=0, description="First env seed of the demos")
+    demo_workers: int = Field(
+        1, gt=0, description="Processes collecting the demos (each a slice of the seeds; same demos as one)"
+    )
     noise: float | None = Field(None, ge=0, description="Expert action noise std; None: the task's default")
     success_only: bool = Field(False, description="Clone only the demos that succeeded")
     labels: Literal["executed", "expert"] = Field(
@@ -462,10 +465,10 @@ class SftConfig(_Section):
         description="What the clone is taught at each demo frame: the noisy action the demo executed, or "
         "the expert's noise-free action there (DART: noise only widens the states the demos visit)",
     )
-    steps: int = Field(300, gt=0)
+    steps: int = Field(300, gt=0, description="Optimizer steps (the schedule's length)")
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, gt=0)
-    max_grad_norm: float | None = Field(
+    max_grad_norm: float | None = Field(  # type: ignore[assignment]
         None, gt=0, description="Clip each step's gradient norm; None: no clipping"
     )
 

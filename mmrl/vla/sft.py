@@ -18,9 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoConfig
 
 from envs.actions import ActionStats, ActionTokenizer
-from mmrl.config import Config
+from mmrl.config import Config, SftConfig
 from mmrl.data import image_budget
 from mmrl.models import load_policy, load_processor, save_model
+from mmrl.optim import make_optimizer
 from mmrl.supervised import supervised_step
 from mmrl.vla.observations import ObservationPrompts, frame_history
 
@@ -64,21 +65,20 @@ def behaviour_clone(
     prompts: ObservationPrompts,
     steps: list[tuple[Demo, int, list[int]]],
     *,
-    updates: int,
-    lr: float,
-    batch_size: int,
+    sft: SftConfig,
     seed: int,
     pad_id: int,
-    max_grad_norm: float | None = None,
     progress: Progress | None = None,
 ) -> list[float]:
-    """`updates` AdamW steps of cross-entropy on random mini-batches of demo decisions; the losses."""
+    """`sft.steps` AdamW steps (on `sft`'s schedule) of cross-entropy on random mini-batches of demo
+    decisions; the losses."""
     rng = np.random.default_rng([seed, 2])
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    task = progress.add_task("behaviour cloning", total=updates) if progress is not None else None
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer, schedule = make_optimizer(trained, sft, sft.steps)
+    task = progress.add_task("behaviour cloning", total=sft.steps) if progress is not None else None
     losses = []
-    for _ in range(updates):
-        picked = [steps[i] for i in rng.choice(len(steps), size=min(batch_size, len(steps)), replace=False)]
+    for _ in range(sft.steps):
+        picked = [steps[i] for i in rng.choice(len(steps), size=min(sft.batch_size, len(steps)), replace=False)]
         samples = prompts(
             [
                 {"image": d.frames[t], "instruction": d.instruction, "state": d.states[t]}
@@ -94,9 +94,10 @@ def behaviour_clone(
                 list(range(len(picked))),
                 [ids for *_, ids in picked],
                 pad_id,
-                max_grad_norm,
+                sft.max_grad_norm,
             )
         )
+        schedule.step()
         if progress is not None and task is not None:
             progress.update(task, advance=1)
     return losses
@@ -121,6 +122,7 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             sft.demos,
             seed=sft.demo_seed,
             noise=sft.noise,
+            workers=sft.demo_workers,
             progress=lambda: progress.advance(task),
             **env.options,
         )
@@ -143,12 +145,9 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             model,
             ObservationPrompts(processor, image_budget(cfg.data, model_config), env.prompt, env.history),
             steps,
-            updates=sft.steps,
-            lr=sft.lr,
-            batch_size=sft.batch_size,
+            sft=sft,
             seed=cfg.trainer.seed,
             pad_id=processor.tokenizer.pad_token_id,
-            max_grad_norm=sft.max_grad_norm,
             progress=progress,
         )
     out.mkdir(parents=True, exist_ok=True)
