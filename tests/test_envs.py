@@ -295,6 +295,15 @@ def test_demos_are_aligned_and_reproducible() -> None:
         assert np.array_equal(clean.expert_actions, clean.actions)
 
 
+def test_demos_from_several_processes_are_those_one_process_collects() -> None:
+    kwargs = {"seed": 11, "noise": 0.5, "image_size": 16}
+    alone, shared = collect_demos("reach", 5, **kwargs), collect_demos("reach", 5, workers=2, **kwargs)
+    assert [d.seed for d in shared] == [11, 12, 13, 14, 15]
+    for d, e in zip(alone, shared, strict=True):
+        assert np.array_equal(d.frames, e.frames) and np.array_equal(d.actions, e.actions)
+        assert np.array_equal(d.expert_actions, e.expert_actions) and d.success == e.success
+
+
 def test_expert_lookup_names_the_tasks_that_have_one() -> None:
     with PushEnv(image_size=16) as env:
         assert scripted_expert(env).default_noise > 0

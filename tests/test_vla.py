@@ -18,16 +18,17 @@ from envs.experts import Demo
 from envs.vector import LocalEnvs
 from mmrl.algorithms import get_advantage_estimator
 from mmrl.batch import Batch
-from mmrl.config import ConfigError, load_config
+from mmrl.config import ConfigError, SftConfig, load_config
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
 from mmrl.supervised import supervised_step
 from mmrl.trainer import Trainer
+from mmrl.vla import sft as sft_module
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts, frame_history
-from mmrl.vla.sft import demo_steps, label_prior_loss, loss_curve
+from mmrl.vla.sft import behaviour_clone, demo_steps, label_prior_loss, loss_curve
 from mmrl.vla.source import episode_advantages, step_advantages, train_seeds
 from processors import PixelBudget
 
@@ -178,6 +179,34 @@ def test_clipped_cloning_steps_move_the_weights_no_further_than_the_clip(tiny_mo
         supervised_step(model, optimizer, samples, [0], [[5, 6]], processor.tokenizer.pad_token_id, clip)
         moved.append(float((torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm()))
     assert moved[0] > 1e-2 and moved[1] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_cloning_follows_the_configured_warm_up_and_cosine_schedule(tiny_model_dir, monkeypatch) -> None:
+    # lr 1e-2, one warm-up step, then cosine to 0 over the remaining 4: factors 1, 1, 0.854, 0.5, 0.146
+    rates = []
+
+    def record(model, optimizer, *args) -> float:
+        rates.append(optimizer.param_groups[0]["lr"])
+        return 0.0
+
+    monkeypatch.setattr(sft_module, "supervised_step", record)
+    processor = load_processor(tiny_model_dir)
+    demo = Demo(
+        seed=0,
+        instruction="touch the red ball",
+        frames=np.zeros((2, 56, 56, 3), np.uint8),
+        actions=np.zeros((2, 2), np.float32),
+        success=True,
+        states=np.zeros((2, 4), np.float32),
+        expert_actions=np.zeros((2, 2), np.float32),
+    )
+    steps = demo_steps([demo], ActionTokenizer(action_dim=2, start_id=100, n_bins=16))
+    sft = SftConfig(base_model=str(tiny_model_dir), steps=5, lr=1e-2, warmup_steps=1, lr_schedule="cosine")
+    behaviour_clone(
+        torch.nn.Linear(1, 1), ObservationPrompts(processor, BUDGET), steps, sft=sft, seed=0, pad_id=0
+    )
+    factors = [1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    assert rates == pytest.approx([1e-2 * f for f in factors])
 
 
 def test_label_prior_loss_is_the_per_position_entropy_of_the_labels() -> None:

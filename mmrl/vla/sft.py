@@ -78,7 +78,9 @@ def behaviour_clone(
     task = progress.add_task("behaviour cloning", total=sft.steps) if progress is not None else None
     losses = []
     for _ in range(sft.steps):
-        picked = [steps[i] for i in rng.choice(len(steps), size=min(sft.batch_size, len(steps)), replace=False)]
+        picked = [
+            steps[i] for i in rng.choice(len(steps), size=min(sft.batch_size, len(steps)), replace=False)
+        ]
         samples = prompts(
             [
                 {"image": d.frames[t], "instruction": d.instruction, "state": d.states[t]}
