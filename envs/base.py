@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypedDict
 
 import numpy as np
 
-__all__ = ["Env", "Info", "Obs", "StepResult"]
+__all__ = ["NO_FRAME", "Env", "Info", "Obs", "StepResult"]
 
 
 class Obs(TypedDict):
@@ -26,6 +26,9 @@ class Obs(TypedDict):
 
 Info = dict[str, Any]  # always holds "success": bool; tasks add their own diagnostics
 StepResult = tuple[Obs, float, bool, bool, Info]  # obs, reward, terminated, truncated, info
+
+# The image of a step taken with ``render=False``: empty, so a frame nobody meant to look at fails loudly.
+NO_FRAME = np.zeros((0, 0, 3), np.uint8)
 
 
 class Env(ABC):
@@ -46,8 +49,11 @@ class Env(ABC):
         """Start an episode; the same seed must give the same initial frame and state."""
 
     @abstractmethod
-    def step(self, action: np.ndarray) -> StepResult:
-        """Apply one action; ``info["success"]`` says whether the task is done right."""
+    def step(self, action: np.ndarray, *, render: bool = True) -> StepResult:
+        """Apply one action; ``info["success"]`` says whether the task is done right.
+
+        ``render=False`` is for steps whose frame no one sees (inside an action chunk): the observation's
+        image is then ``NO_FRAME`` and rendering, most of a simulated step's cost, is skipped."""
 
     def _checked_action(self, action: np.ndarray, done: bool) -> np.ndarray:
         """``action`` as float64 clipped to [-1, 1], or the error a caller needs: stepping an ended

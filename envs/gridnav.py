@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from envs.base import Env, Info, Obs, StepResult
+from envs.base import NO_FRAME, Env, Info, Obs, StepResult
 
 __all__ = ["MOVES", "GridNavEnv", "action_move", "gridnav_expert"]
 
@@ -99,7 +99,7 @@ class GridNavEnv(Env):
         self.walls, self.agent, self.goal, self.decoy = walls, agent, goal, decoy
         self._steps, self._done, self._distance = 0, False, self.goal_distance()
 
-    def step(self, action: np.ndarray) -> StepResult:
+    def step(self, action: np.ndarray, *, render: bool = True) -> StepResult:
         a = self._checked_action(action, self._done)
         move = action_move(a)
         if move is not None:
@@ -115,7 +115,7 @@ class GridNavEnv(Env):
             success, failure, distance, self._distance, self.shaping, self._steps
         )
         self._distance, self._done = distance, terminated or truncated
-        return self._observe(), reward, terminated, truncated, info
+        return self._observe(render), reward, terminated, truncated, info
 
     def goal_distance(self) -> int:
         """Moves on the shortest path from the agent to the goal, around walls and the decoy."""
@@ -172,9 +172,13 @@ class GridNavEnv(Env):
         """Inside the grid, not a wall, not the decoy: where a path to the goal may go."""
         return self._free(cell) and cell != self.decoy
 
-    def _observe(self) -> Obs:
+    def _observe(self, render: bool = True) -> Obs:
         state = np.array(self.agent, dtype=np.float32) / (self.size - 1)
-        return {"image": self.render(), "instruction": f"go to the {self.goal_colour} square", "state": state}
+        return {
+            "image": self.render() if render else NO_FRAME,
+            "instruction": f"go to the {self.goal_colour} square",
+            "state": state,
+        }
 
 
 def action_move(action: np.ndarray) -> str | None:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from envs.base import Env, Info, Obs, StepResult
+from envs.base import NO_FRAME, Env, Info, Obs, StepResult
 from envs.gl import load_mujoco
 from envs.views import CameraViews
 
@@ -174,7 +174,7 @@ class LiberoEnv(Env):
         self._done = False
         return self._observe(), {"success": False}
 
-    def step(self, action: np.ndarray) -> StepResult:
+    def step(self, action: np.ndarray, *, render: bool = True) -> StepResult:
         """One 20 Hz control step of the OSC_POSE controller (action clipped to [-1, 1])."""
         a = self._checked_action(action, self._done)
         self._raw, *_ = self.sim_env.step(a)
@@ -182,7 +182,7 @@ class LiberoEnv(Env):
         success = bool(self.sim_env.check_success())
         truncated = not success and self._steps >= self.max_steps
         self._done = success or truncated
-        return self._observe(), float(success), success, truncated, {"success": success}
+        return self._observe(render), float(success), success, truncated, {"success": success}
 
     def render(self) -> np.ndarray:
         return self.views.render(self.sim_env.sim.data._data)
@@ -196,7 +196,11 @@ class LiberoEnv(Env):
         self.views.close()
         self.sim_env.close()
 
-    def _observe(self) -> Obs:
+    def _observe(self, render: bool = True) -> Obs:
         gripper = self._raw["robot0_gripper_qpos"]
         state = np.append(self._raw["robot0_eef_pos"], gripper[0] - gripper[1])
-        return {"image": self.render(), "instruction": self.instruction, "state": state.astype(np.float32)}
+        return {
+            "image": self.render() if render else NO_FRAME,
+            "instruction": self.instruction,
+            "state": state.astype(np.float32),
+        }

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import Env, Info, Obs, StepResult
+from envs.base import NO_FRAME, Env, Info, Obs, StepResult
 from envs.gl import load_mujoco
 from envs.views import CameraViews
 
@@ -163,7 +163,7 @@ class MetaWorldEnv(Env):
         self._done = False
         return self._observe(), {"success": False}
 
-    def step(self, action: np.ndarray) -> StepResult:
+    def step(self, action: np.ndarray, *, render: bool = True) -> StepResult:
         """Move the hand by ``action[:3]`` (clipped to [-1, 1]) and grip with ``action[3]``."""
         a = self._checked_action(action, self._done)
         self._raw, dense, _, _, sim_info = self.sim.step(a.astype(np.float32))
@@ -173,7 +173,7 @@ class MetaWorldEnv(Env):
         truncated = not success and self._steps >= self.max_steps
         self._done = success or truncated
         info: Info = {"success": success, "distance": float(sim_info["obj_to_target"])}
-        return self._observe(), reward, success, truncated, info
+        return self._observe(render), reward, success, truncated, info
 
     def render(self) -> np.ndarray:
         """The current frame, world-up at the top: image_size x (image_size x cameras) x 3 uint8."""
@@ -193,9 +193,9 @@ class MetaWorldEnv(Env):
         self.views.close()
         self.sim.close()
 
-    def _observe(self) -> Obs:
+    def _observe(self, render: bool = True) -> Obs:
         return {
-            "image": self.render(),
+            "image": self.render() if render else NO_FRAME,
             "instruction": self.instruction,
             "state": self._raw[:4].astype(np.float32),
         }

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from envs.base import Env, Info, Obs, StepResult
+from envs.base import NO_FRAME, Env, Info, Obs, StepResult
 from envs.gl import load_mujoco, make_renderer
 
 __all__ = ["ASSETS", "COLOURS", "MujocoEnv"]
@@ -115,7 +115,7 @@ class MujocoEnv(Env):
         self._distance = self.goal_distance()
         return self._observe(), {"success": False, "distance": self._distance}
 
-    def step(self, action: np.ndarray) -> StepResult:
+    def step(self, action: np.ndarray, *, render: bool = True) -> StepResult:
         """Apply ``action`` (clipped to [-1, 1]) for ``substeps`` physics steps and score the result."""
         a = self._checked_action(action, self._done)
         self.data.ctrl[:] = self._controls(a)
@@ -129,7 +129,7 @@ class MujocoEnv(Env):
             success, failure, distance, self._distance, self.shaping, self._steps
         )
         self._distance, self._done = distance, terminated or truncated
-        return self._observe(), reward, terminated, truncated, info
+        return self._observe(render), reward, terminated, truncated, info
 
     def close(self) -> None:
         self._renderer.close()
@@ -151,8 +151,12 @@ class MujocoEnv(Env):
         self._renderer.update_scene(self.data, camera=self.camera)
         return self._renderer.render()
 
-    def _observe(self) -> Obs:
-        return {"image": self.render(), "instruction": self.instruction, "state": self._state()}
+    def _observe(self, render: bool = True) -> Obs:
+        return {
+            "image": self.render() if render else NO_FRAME,
+            "instruction": self.instruction,
+            "state": self._state(),
+        }
 
     def _set_rgba(self, geom: str, colour: str) -> None:
         self.model.geom(geom).rgba[:3] = COLOURS[colour]

@@ -26,7 +26,9 @@ class VectorEnv(Protocol):
 
     def reset(self, seeds: list[int | None]) -> list[tuple[Obs, Info] | None]: ...
 
-    def step(self, actions: list[np.ndarray | None]) -> list[StepResult | None]: ...
+    def step(
+        self, actions: list[np.ndarray | None], render: list[bool] | None = None
+    ) -> list[StepResult | None]: ...
 
     def close(self) -> None: ...
 
@@ -48,8 +50,15 @@ class LocalEnvs:
         """A None seed leaves that env idle (a batch smaller than the pool)."""
         return [None if s is None else env.reset(seed=s) for env, s in zip(self.envs, seeds, strict=True)]
 
-    def step(self, actions: list[np.ndarray | None]) -> list[StepResult | None]:
-        return [None if a is None else env.step(a) for env, a in zip(self.envs, actions, strict=True)]
+    def step(
+        self, actions: list[np.ndarray | None], render: list[bool] | None = None
+    ) -> list[StepResult | None]:
+        """One action per env (None: not stepped); ``render[i]`` False skips env i's frame (`Env.step`)."""
+        seen = render or [True] * len(self.envs)
+        return [
+            None if a is None else env.step(a, render=r)
+            for env, a, r in zip(self.envs, actions, seen, strict=True)
+        ]
 
     def close(self) -> None:
         for env in self.envs:

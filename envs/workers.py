@@ -42,7 +42,7 @@ class EnvWorker(LocalEnvs):
                 continue
             env.reset(seed=seed)
             for action in actions:
-                env.step(action)
+                env.step(action, render=False)
 
 
 class EnvPool:
@@ -100,21 +100,25 @@ class EnvPool:
         """A None seed leaves that env idle (a batch smaller than the pool)."""
         self.seeds = list(seeds)
         self.histories = [[] for _ in seeds]
-        return self._call("reset", [[seeds[i] for i in s] for s in self.slices])
+        return self._call("reset", [([seeds[i] for i in s],) for s in self.slices])
 
-    def step(self, actions: list[np.ndarray | None]) -> list[StepResult | None]:
-        """One action per env (None: that env's episode is over and it is not stepped)."""
+    def step(
+        self, actions: list[np.ndarray | None], render: list[bool] | None = None
+    ) -> list[StepResult | None]:
+        """One action per env (None: that env's episode is over and it is not stepped); ``render[i]``
+        False skips env i's frame, which then neither renders nor crosses to this process."""
         actions = [None if a is None else np.asarray(a, dtype=np.float32) for a in actions]
-        results = self._call("step", [[actions[i] for i in s] for s in self.slices])
+        seen = render or [True] * self.num_envs
+        results = self._call("step", [([actions[i] for i in s], [seen[i] for i in s]) for s in self.slices])
         for i, action in enumerate(actions):
             if action is not None:
                 self.histories[i].append(action)
         return results
 
-    def _call(self, method: str, args: list[list[Any]]) -> list[Any]:
+    def _call(self, method: str, args: list[tuple[list[Any], ...]]) -> list[Any]:
         """`method` on every worker with its share of `args`; results in env order. A worker that
         dies or exceeds the timeout is replaced, caught up by replay, and asked again."""
-        refs = [getattr(w, method).remote(a) for w, a in zip(self.workers, args, strict=True)]
+        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)]
         results: list[Any] = [None] * len(self.workers)
         for rank, ref in enumerate(refs):
             for attempt in range(self.max_restarts + 1):
@@ -131,7 +135,7 @@ class EnvPool:
                     ref = self._replace(rank, method, args[rank], err)
         return [item for part in results for item in part]
 
-    def _replace(self, rank: int, method: str, args: list[Any], err: Exception) -> Any:
+    def _replace(self, rank: int, method: str, args: tuple[list[Any], ...], err: Exception) -> Any:
         cause = "hung" if isinstance(err, ray.exceptions.GetTimeoutError) else "died"
         log.warning(
             "env worker %d %s during %s; replacing it and replaying its episodes", rank, cause, method
@@ -144,7 +148,7 @@ class EnvPool:
             worker.replay.remote([self.seeds[i] for i in envs], [self.histories[i] for i in envs])
         self.workers[rank] = worker
         self.restarts += 1
-        return getattr(worker, method).remote(args)
+        return getattr(worker, method).remote(*args)
 
     def close(self) -> None:
         for worker in self.workers:

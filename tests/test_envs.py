@@ -13,6 +13,7 @@ import pytest
 
 import envs
 from envs import Env, Info, make_env, register_env, registered_envs, registry
+from envs.base import NO_FRAME
 from envs.experts import collect_demos, expert_action, push_expert, scripted_expert
 from envs.mujoco_env import COLOURS, MujocoEnv
 from envs.push import PushEnv
@@ -261,6 +262,19 @@ def test_expert_without_noise_succeeds(env: MujocoEnv) -> None:
     for seed in range(10):
         info = run_episode(env, seed, lambda e: expert_action(e, np.random.default_rng(), noise=0.0))
         assert info["success"], f"seed {seed}: {info}"
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_step_taken_unrendered_has_no_frame_and_the_same_outcome(task: str) -> None:
+    with make_env(task, image_size=32) as seen, make_env(task, image_size=32) as unseen:
+        seen.reset(seed=3), unseen.reset(seed=3)
+        action = np.full(seen.action_dim, 0.7)
+        for _ in range(3):
+            drawn, skipped = seen.step(action), unseen.step(action, render=False)
+            assert skipped[0]["image"] is NO_FRAME and drawn[0]["image"].shape == (32, 32, 3)
+            assert np.array_equal(drawn[0]["state"], skipped[0]["state"]) and drawn[1:4] == skipped[1:4]
+        # rendering is a view of the state: the next rendered frame is the same either way
+        assert np.array_equal(seen.step(action)[0]["image"], unseen.step(action)[0]["image"])
 
 
 def test_random_policy_mostly_fails(env: MujocoEnv) -> None:

@@ -106,6 +106,52 @@ def test_episodes_run_in_lockstep_and_each_decision_earns_its_episode_return(pol
     assert anchors[0] == anchors[1] != anchors[2]
 
 
+class RenderingEveryStep(LocalEnvs):
+    """Renders each step whatever the episode loop asks: the reference that skipping must match."""
+
+    def step(self, actions, render=None):
+        return super().step(actions)
+
+
+def count_renders(envs: LocalEnvs) -> list[int]:
+    """A one-item list that counts the frames `envs` render from now on."""
+    calls = [0]
+    for env in envs.envs:
+
+        def counted(draw=env.render):
+            calls[0] += 1
+            return draw()
+
+        env.render = counted
+    return calls
+
+
+def test_chunked_episodes_render_only_the_frames_their_decisions_see(policy) -> None:
+    model, processor = policy
+    tokenizer = ActionTokenizer(action_dim=2, start_id=0, n_bins=model.config.text_config.vocab_size, chunk=4)
+    prompts = ObservationPrompts(processor, BUDGET, history=2)
+    runs = []
+    for envs in (
+        LocalEnvs("reach", 2, {"image_size": 56, "max_steps": 10}),
+        RenderingEveryStep("reach", 2, {"image_size": 56, "max_steps": 10}),
+    ):
+        renders = count_renders(envs)
+        episodes = run_episodes(
+            HFEngine(model, processor), envs, prompts, tokenizer, [3, 4], SamplingParams(temperature=0.0)
+        )
+        runs.append((episodes, renders[0]))
+    (skipped, drawn), (reference, every) = runs
+    assert skipped.lengths.tolist() == [3, 3] and not skipped.success.any()  # 10 steps: chunks of 4, 4, 2
+    assert every == 2 * (1 + 10)
+    # Per env: the reset frame, then the last 2 frames (the history) of each full chunk; the last chunk
+    # ends the episode at its second step, so no decision sees its frames.
+    assert drawn == 2 * (1 + 2 + 2)
+    assert torch.equal(skipped.batch["response_ids"], reference.batch["response_ids"])
+    assert torch.equal(skipped.returns, reference.returns)
+    for ours, theirs in zip(skipped.batch.prompts, reference.batch.prompts, strict=True):
+        assert torch.equal(ours.pixel_values, theirs.pixel_values)
+
+
 def test_malformed_actions_are_counted_penalised_and_applied_as_zero(policy) -> None:
     model, processor = policy
     # Bins that the untrained model practically never emits: almost every decision is invalid.

@@ -97,12 +97,17 @@ def run_episodes(
             lengths[i] += 1
         for k in range(tokenizer.chunk):  # a chunk's steps in order; an episode may end mid-chunk
             step = [chunks[i][k] if live[i] else None for i in range(n)]  # live: decided this round
-            for i, result in enumerate(envs.step([*step, *[None] * (envs.num_envs - n)])[:n]):
+            # Only the chunk's last `history` frames reach the next decision; the rest go unrendered,
+            # except in recorded episodes.
+            seen = k >= tokenizer.chunk - prompts.history
+            render = [seen or i < len(frames) for i in range(envs.num_envs)]
+            for i, result in enumerate(envs.step([*step, *[None] * (envs.num_envs - n)], render)[:n]):
                 if result is None:
                     continue
                 obs[i], reward, terminated, truncated, info = result
                 returns[i] += reward
-                recent[i].append(obs[i]["image"])
+                if seen:
+                    recent[i].append(obs[i]["image"])
                 if i < len(frames):
                     frames[i].append(obs[i]["image"])
                 if terminated or truncated:
