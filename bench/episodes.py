@@ -5,6 +5,12 @@ one batched `generate` per step for every live env, action tokens decoded, envs 
 with the envs in the trainer's process (`env.num_workers=0`) and on 1 and 2 Ray env workers.
 
     .venv/bin/python bench/episodes.py --episodes 64 --repeats 3 --out bench/results/episodes.json
+
+With action chunks (`--chunk 4`), steps inside a chunk go unrendered; `--render-every-step` adds rows
+that render them anyway, the loop as it was before, for a side-by-side comparison:
+
+    .venv/bin/python bench/episodes.py --task metaworld/reach-v3 --image-size 112 --max-steps 120 \
+        --chunk 4 --episodes 16 --workers 0 --render-every-step
 """
 
 from __future__ import annotations
@@ -29,12 +35,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--image-size", type=int, default=56)
     p.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2], help="0: envs in this process")
+    p.add_argument("--chunk", type=int, default=1, help="actions per decision, executed open-loop")
+    p.add_argument("--render-every-step", action="store_true", help="also measure rendering every step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
 
-def measure(args: argparse.Namespace, workers: int, model: Any, processor: Any) -> dict[str, Any]:
+class CountedEnvs:
+    """The envs, counting the steps taken; with `render_all`, rendering every step whatever is asked."""
+
+    def __init__(self, envs: Any, render_all: bool) -> None:
+        self.envs, self.render_all, self.steps = envs, render_all, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.envs, name)
+
+    def step(self, actions: list[Any], render: list[bool] | None = None) -> list[Any]:
+        self.steps += sum(a is not None for a in actions)
+        return self.envs.step(actions, None if self.render_all else render)
+
+
+def measure(
+    args: argparse.Namespace, workers: int, model: Any, processor: Any, render_all: bool = False
+) -> dict[str, Any]:
     import torch
 
     from envs.actions import ActionTokenizer
@@ -53,16 +77,17 @@ def measure(args: argparse.Namespace, workers: int, model: Any, processor: Any) 
         envs: Any = EnvPool(args.task, args.episodes, workers, options)
     else:
         envs = LocalEnvs(args.task, args.episodes, options)
+    envs = CountedEnvs(envs, render_all)
     startup = time.perf_counter() - start
     pixels = args.image_size**2
     prompts = ObservationPrompts(processor, PixelBudget(min_pixels=pixels, max_pixels=pixels))
     # Every id an action bin: the untrained model's random tokens are all valid actions, so episodes
     # run their full length unless the arm touches a ball.
     tokenizer = ActionTokenizer(
-        action_dim=envs.action_dim, start_id=0, n_bins=model.config.text_config.vocab_size
+        action_dim=envs.action_dim, start_id=0, n_bins=model.config.text_config.vocab_size, chunk=args.chunk
     )
     engine = HFEngine(model, processor)
-    times, decisions, steps = [], 0, 0
+    times, decisions = [], 0
     for repeat in range(args.repeats):
         torch.manual_seed(repeat)
         seeds = list(range(repeat * args.episodes, (repeat + 1) * args.episodes))
@@ -70,16 +95,16 @@ def measure(args: argparse.Namespace, workers: int, model: Any, processor: Any) 
         episodes = run_episodes(engine, envs, prompts, tokenizer, seeds, SamplingParams(temperature=1.0))
         times.append(time.perf_counter() - start)
         decisions += len(episodes.batch)
-        steps += int(episodes.lengths.sum())
     envs.close()
     elapsed = statistics.median(times)
     return {
         "workers": workers,
+        "render_every_step": render_all,
         "startup_s": startup,
         "median_s": elapsed,
         "episodes_per_s": args.episodes / elapsed,
         "decisions_per_s": decisions / args.repeats / elapsed,
-        "env_steps_per_s": steps / args.repeats / elapsed,
+        "env_steps_per_s": envs.steps / args.repeats / elapsed,
     }
 
 
@@ -94,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = build_tiny(Path(tempfile.mkdtemp()) / "tiny")
     model, processor = load_policy(folder, torch.float32, "cpu").eval(), load_processor(folder)
     ray.init(num_cpus=max(2, *args.workers), include_dashboard=False, logging_level="ERROR")
-    results = [measure(args, w, model, processor) for w in args.workers]
+    modes = [False, True] if args.render_every_step else [False]
+    results = [measure(args, w, model, processor, every) for w in args.workers for every in modes]
     ray.shutdown()
     result = {
         "machine": machine(),
@@ -105,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"episode collection: {args.episodes} {args.task} episodes of up to {args.max_steps} steps, "
-        f"{args.image_size}px frames, tiny Qwen2.5-VL (HF engine), median of {args.repeats}"
+        f"{args.image_size}px frames, chunks of {args.chunk}, tiny Qwen2.5-VL (HF engine), "
+        f"median of {args.repeats}"
     )
     print(
-        f"  {'env workers':<12}  {'episodes/s':>10}  {'decisions/s':>11}  {'env steps/s':>11}  {'startup':>8}"
+        f"  {'env workers':<12}  {'frames':<14}  {'episodes/s':>10}  {'decisions/s':>11}  {'env steps/s':>11}  {'startup':>8}"
     )
     for r in results:
         where = "in-process" if not r["workers"] else f"{r['workers']} on Ray"
+        frames = "every step" if r["render_every_step"] else "decisions'"
         print(
-            f"  {where:<12}  {r['episodes_per_s']:>10.2f}  {r['decisions_per_s']:>11.0f}  "
+            f"  {where:<12}  {frames:<14}  {r['episodes_per_s']:>10.2f}  {r['decisions_per_s']:>11.0f}  "
             f"{r['env_steps_per_s']:>11.0f}  {r['startup_s']:>7.2f}s"
         )
     if args.out:
