@@ -16,10 +16,11 @@ from envs import make_env
 from envs.actions import ActionStats, ActionTokenizer
 from envs.experts import Demo
 from envs.vector import LocalEnvs
+from mmrl.actor import forward_logprobs
 from mmrl.algorithms import get_advantage_estimator
 from mmrl.batch import Batch
 from mmrl.config import ConfigError, SftConfig, load_config
-from mmrl.models import load_policy, load_processor
+from mmrl.models import ACTION_TOKENS, load_policy, load_processor
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
 from mmrl.supervised import supervised_step
@@ -170,6 +171,26 @@ def test_malformed_actions_are_counted_penalised_and_applied_as_zero(policy) -> 
         first = still.reset(seed=3)[0]["image"]
         after = still.step(np.zeros(2))[0]["image"]
     assert np.array_equal(first, after)
+
+
+def test_a_vla_policy_emits_and_is_scored_over_its_action_bins_alone(tiny_model_dir) -> None:
+    processor = load_processor(tiny_model_dir)
+    model = load_policy(tiny_model_dir, torch.float32, "cpu").eval()
+    vocab = model.config.text_config.vocab_size
+    # 4 bins of ~1000 ids: unconstrained, the untrained model would almost never emit an action.
+    tokenizer = ActionTokenizer.for_vocab(vocab, action_dim=2, n_bins=4)
+    setattr(model.config, ACTION_TOKENS, [tokenizer.start_id, vocab])  # what `mmrl sft` saves
+    torch.manual_seed(0)
+    episodes = run_episodes(
+        HFEngine(model, processor), LocalEnvs("reach", 3, {"image_size": 56, "max_steps": 4}),
+        ObservationPrompts(processor, BUDGET), tokenizer, [1, 2, 3], SamplingParams(temperature=1.0),
+    )  # fmt: skip
+    assert episodes.invalid == {} and episodes.batch["response_ids"].ge(tokenizer.start_id).all()
+    # The trainer's log-probs are over the same bins: one decision's four first tokens share all the mass.
+    rows = episodes.batch.select([0, 0, 0, 0])
+    rows.tensors["response_ids"][:, 0] = torch.tensor(list(tokenizer.token_ids))
+    logp, _ = forward_logprobs(model, rows, processor.tokenizer.pad_token_id)
+    assert logp[:, 0].exp().sum().item() == pytest.approx(1.0, abs=1e-5)
 
 
 def test_trajectory_grpo_normalises_over_episodes_not_decisions() -> None:
@@ -373,6 +394,8 @@ def test_cli_sft_writes_a_policy_that_eval_and_train_start_from(tmp_path, tiny_m
     tokenizer = json.loads((tmp_path / "sft" / "action_tokenizer.json").read_text())
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["text_config"]["vocab_size"]
     assert tokenizer["n_bins"] == 256 and tokenizer["start_id"] == vocab - 256  # OpenVLA: the last ids
+    # the policy's config names its action tokens, so every engine and the trainer keep to them
+    assert json.loads((tmp_path / "sft" / "config.json").read_text())[ACTION_TOKENS] == [vocab - 256, vocab]
     assert json.loads((tmp_path / "sft" / "sft_report.json").read_text())["demos"] == 3
     out = tmp_path / "eval.json"
     assert main(["eval", config, *common, "--checkpoint", str(tmp_path / "sft"), "--out", str(out)]) == 0

@@ -14,6 +14,7 @@ from mmrl.models import (
 )
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
 from mmrl.models.loading import (
+    ACTION_TOKENS,
     SHARDED_MARKER,
     autocast_for,
     load_config,
@@ -28,6 +29,7 @@ from mmrl.models.loading import (
 from mmrl.models.tiny import CHAT_TEMPLATE, DEFAULT_FAMILY, build_tiny, build_tokenizer
 
 __all__ = [
+    "ACTION_TOKENS",
     "CHAT_TEMPLATE",
     "DEFAULT_FAMILY",
     "FAMILIES",

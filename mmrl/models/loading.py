@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -101,9 +102,24 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+# Set on a VLA policy's config by `mmrl sft` (and saved with it): [first, end) of its action-token ids.
+ACTION_TOKENS = "mmrl_action_tokens"
+
+
 def never_generated_ids(config: Any) -> list[int]:
-    """Tokens the policy must never emit (the family's vision placeholders)."""
-    return family_of(config).never_generated_ids()
+    """Tokens the policy must never emit: the family's vision placeholders and, for a VLA policy
+    (`ACTION_TOKENS` in its config), every id outside its action bins. Engines block them and the
+    trainer's log-probs exclude them, so RL cannot drift into tokens that decode to no action."""
+    blocked = family_of(config).never_generated_ids()
+    actions = getattr(config, ACTION_TOKENS, None)
+    if actions is None:
+        return blocked
+    return [*blocked, *_outside(*actions, config.get_text_config().vocab_size)]
+
+
+@functools.cache
+def _outside(first: int, end: int, vocab_size: int) -> tuple[int, ...]:
+    return (*range(first), *range(end, vocab_size))
 
 
 def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:

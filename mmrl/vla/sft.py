@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from envs.actions import ActionStats, ActionTokenizer
 from mmrl.config import Config, SftConfig
 from mmrl.data import image_budget
-from mmrl.models import load_policy, load_processor, save_model
+from mmrl.models import ACTION_TOKENS, load_policy, load_processor, save_model
 from mmrl.optim import make_optimizer
 from mmrl.supervised import supervised_step
 from mmrl.vla.observations import ObservationPrompts, frame_history
@@ -142,6 +142,8 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         )
         processor = load_processor(sft.base_model)
         model = load_policy(sft.base_model, torch.float32, cfg.trainer.torch_device())
+        # The policy emits, and is scored over, its action bins alone (`never_generated_ids`).
+        setattr(model.config, ACTION_TOKENS, [tokenizer.start_id, tokenizer.start_id + tokenizer.n_bins])
         steps = demo_steps(used, tokenizer, sft.labels)
         losses = behaviour_clone(
             model,
