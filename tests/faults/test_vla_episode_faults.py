@@ -40,11 +40,11 @@ def test_a_killed_env_worker_is_replaced_and_the_training_step_completes_unchang
     pool, calls = trainer.source.envs, []
     step = pool.step
 
-    def step_and_kill_at_the_third_call(actions):
+    def step_and_kill_at_the_third_call(actions, render=None):
         calls.append(1)
         if len(calls) == 3:  # mid-episode: two env steps taken, the episodes still running
             os.kill(pool.pids()[1], signal.SIGKILL)
-        return step(actions)
+        return step(actions, render)
 
     pool.step = step_and_kill_at_the_third_call
     trainer.step = 1
