@@ -468,7 +468,7 @@ class SftConfig(_OptimSection):
     steps: int = Field(300, gt=0, description="Optimizer steps (the schedule's length)")
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, gt=0)
-    max_grad_norm: float | None = Field(  # type: ignore[assignment]
+    max_grad_norm: float | None = Field(
         None, gt=0, description="Clip each step's gradient norm; None: no clipping"
     )
 
