@@ -40,6 +40,7 @@ _REACH_STEP = 0.3  # rad: joint error at which the expert moves at full speed (t
 _REACH_CLEARANCE = TOUCH + 0.015  # keep the fingertip this far from distractors on the way
 _SHOULDER_GRID = np.linspace(-math.pi, math.pi, 96, endpoint=False)
 _ELBOW_GRID = np.linspace(-ELBOW_LIMIT, ELBOW_LIMIT, 64)
+_INNER_RADIUS = 2 * LINK * math.cos(ELBOW_LIMIT / 2)  # m: the tip's least distance from the base
 _LOOKAHEAD = 48  # path cells considered when shortcutting to the farthest one in a straight line
 
 
@@ -54,6 +55,11 @@ def reach_expert(env: ReachEnv) -> np.ndarray:
     """
     q = env.joint_angles
     q = np.array([math.remainder(q[0], 2 * math.pi), q[1]])
+    if not len(env.distractor_xy):  # nothing to steer round
+        tip, target = env.tip_xy, env.target_xy
+        if env.control == "tip" and _segment_clear_of_base(tip, target):
+            return _tip_toward(env, target - tip)  # the move a wrist view shows: towards the ball
+        return _joint_move_action(env, q, _straight_move(q, target))
     layout = np.concatenate([env.target_xy, env.distractor_xy.reshape(-1)])
     steps = _steps_to_goal(layout.tobytes())
     path = _descend(steps, _cell(q))
@@ -65,13 +71,31 @@ def reach_expert(env: ReachEnv) -> np.ndarray:
         delta = deltas[np.flatnonzero(clear)[-1]] if clear.any() else deltas[0]
     else:  # noise left the fingertip inside a distractor's margin, or cut off: head straight for it
         delta = _straight_move(q, env.target_xy)
+    return _joint_move_action(env, q, delta)
+
+
+def _joint_move_action(env: ReachEnv, q: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """The action that starts joint move ``delta`` from ``q``: the joint velocities themselves, or
+    under tip control the fingertip velocity they produce. Full speed, slowing near the goal."""
     if env.control == "tip":
-        velocity = jacobian(q) @ delta
-        speed = float(np.linalg.norm(velocity))
-        step = TIP_SPEED * env.model.opt.timestep * env.substeps  # metres a full action moves the tip
-        return velocity / speed * min(1.0, env.goal_distance() / step) if speed > 0 else np.zeros(2)
+        return _tip_toward(env, jacobian(q) @ delta)
     largest = float(np.abs(delta).max())
     return delta / largest * min(1.0, largest / _REACH_STEP) if largest > 0 else np.zeros(2)
+
+
+def _tip_toward(env: ReachEnv, direction: np.ndarray) -> np.ndarray:
+    """The tip action along ``direction``: full speed, slowing within a step of the target."""
+    speed = float(np.linalg.norm(direction))
+    step = TIP_SPEED * env.model.opt.timestep * env.substeps  # metres a full action moves the tip
+    return direction / speed * min(1.0, env.goal_distance() / step) if speed > 0 else np.zeros(2)
+
+
+def _segment_clear_of_base(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the straight tip path a -> b stays out of the disc round the base that the folded arm
+    cannot reach (its radius set by the elbow's limit), with a margin."""
+    d = b - a
+    t = float(np.clip(-(a @ d) / max(float(d @ d), 1e-12), 0.0, 1.0))
+    return float(np.linalg.norm(a + t * d)) >= _INNER_RADIUS + 0.02
 
 
 @functools.lru_cache(maxsize=16)

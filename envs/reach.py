@@ -2,7 +2,8 @@
 
 Why this task: it is the smallest one where the instruction matters. The arm can reach all three
 balls, and touching a distractor ends the episode as a failure, so a policy has to read the colour in
-the instruction and find it in the frame.
+the instruction and find it in the frame. ``distractors=0`` leaves the target alone, as in
+Meta-World's reach: the policy then only has to find a ball, not ground a colour word in it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _BALL_RADII = (0.09, 0.21)  # ball distance from the base: inside the arm's reac
 _MIN_GAP = 0.09  # between balls, so one touch never grazes another
 _START_CLEARANCE = 0.08  # fingertip to any ball at reset, so no episode starts touching
 TIP_SPEED = 0.4  # m/s: the fingertip speed of a full action under control="tip" (2 cm a step)
+_BALL_Z = 0.025  # ball centre height: resting on the table (envs/assets/reach.xml)
 _DAMPING = 0.02  # m: damped least squares keeps joint speeds finite near the arm's singular poses
 
 
@@ -31,7 +33,7 @@ class ReachEnv(MujocoEnv):
     Under ``control="tip"``: the fingertip's velocity in the table plane, x and y in [-1, 1]
     (±``TIP_SPEED``), turned into joint velocities through the arm's Jacobian, the end-effector
     delta actions LIBERO and Meta-World policies emit. Success: fingertip within ``TOUCH`` of the
-    target ball. State: shoulder angle (wrapped), elbow angle, their velocities, fingertip x, y
+    target ball; touching one of the ``distractors`` (0-2) fails. State: shoulder angle (wrapped), elbow angle, their velocities, fingertip x, y
     (float32, 6 values). 40 steps by default."""
 
     asset = "reach.xml"
@@ -45,11 +47,15 @@ class ReachEnv(MujocoEnv):
         max_steps: int | None = None,
         shaping: float = 0.0,
         control: str = "joint",
+        distractors: int = _N_BALLS - 1,
     ) -> None:
         if control not in ("joint", "tip"):
             raise ValueError(f"control must be 'joint' or 'tip', got {control!r}")
+        if not 0 <= distractors < _N_BALLS:
+            raise ValueError(f"distractors must be 0 to {_N_BALLS - 1}, got {distractors}")
         super().__init__(image_size=image_size, camera=camera, max_steps=max_steps, shaping=shaping)
         self.control = control
+        self.balls = 1 + distractors
 
     def _controls(self, a: np.ndarray) -> np.ndarray:
         if self.control == "joint":
@@ -62,21 +68,27 @@ class ReachEnv(MujocoEnv):
         return qdot * min(1.0, limit / largest) if largest > 0 else qdot  # slow down, keep direction
 
     def _layout(self, rng: np.random.Generator) -> str:
-        names = [str(c) for c in rng.permutation(list(COLOURS))[:_N_BALLS]]
+        n = self.balls
+        names = [str(c) for c in rng.permutation(list(COLOURS))[:n]]
         self.target_colour, *self.distractor_colours = names
         q = np.array([rng.uniform(-math.pi, math.pi), rng.uniform(-2.0, 2.0)])
         self.data.qpos[:] = q
         tip = forward_kinematics(q)
         while True:  # rejection sampling; a valid layout is found within a few tries
-            r = rng.uniform(*_BALL_RADII, size=_N_BALLS)
-            phi = rng.uniform(-math.pi, math.pi, size=_N_BALLS)
+            r = rng.uniform(*_BALL_RADII, size=n)
+            phi = rng.uniform(-math.pi, math.pi, size=n)
             balls = np.stack([r * np.cos(phi), r * np.sin(phi)], axis=1)
-            gaps = [np.linalg.norm(balls[i] - balls[j]) for i in range(_N_BALLS) for j in range(i)]
-            if min(gaps) >= _MIN_GAP and np.linalg.norm(balls - tip, axis=1).min() >= _START_CLEARANCE:
+            gaps = [np.linalg.norm(balls[i] - balls[j]) for i in range(n) for j in range(i)]
+            if (
+                min(gaps, default=_MIN_GAP) >= _MIN_GAP
+                and np.linalg.norm(balls - tip, axis=1).min() >= _START_CLEARANCE
+            ):
                 break
         for i, (xy, colour) in enumerate(zip(balls, names, strict=True)):
-            self.model.geom(f"ball{i}").pos[:2] = xy
+            self.model.geom(f"ball{i}").pos[:] = (*xy, _BALL_Z)
             self._set_rgba(f"ball{i}", colour)
+        for i in range(n, _N_BALLS):  # unused balls sink under the table, out of every camera's view
+            self.model.geom(f"ball{i}").pos[:] = (0.0, 0.0, -1.0)
         return f"touch the {self.target_colour} ball"
 
     # true state, read by the scripted experts and tests (the policy sees only the observation)
@@ -94,7 +106,7 @@ class ReachEnv(MujocoEnv):
 
     @property
     def distractor_xy(self) -> np.ndarray:
-        return np.stack([self._geom_xy(f"ball{i}") for i in range(1, _N_BALLS)])
+        return np.array([self._geom_xy(f"ball{i}") for i in range(1, self.balls)]).reshape(-1, 2)
 
     def goal_distance(self) -> float:
         return float(np.linalg.norm(self.tip_xy - self.target_xy))
@@ -104,6 +116,8 @@ class ReachEnv(MujocoEnv):
 
     def _failure(self) -> str | None:
         distances = np.linalg.norm(self.distractor_xy - self.tip_xy, axis=1)
+        if not len(distances):
+            return None
         hit = int(np.argmin(distances))
         return f"touched the {self.distractor_colours[hit]} ball" if distances[hit] < TOUCH else None
 

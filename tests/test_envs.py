@@ -233,6 +233,23 @@ def test_the_wrist_camera_centres_the_fingertip_and_shows_where_the_target_lies(
             )
 
 
+@pytest.mark.parametrize("control", ["tip", "joint"])
+def test_reach_without_distractors_shows_one_ball_and_the_expert_goes_straight_to_it(control: str) -> None:
+    with make_env("reach", control=control, distractors=0) as env, make_env("reach") as full:
+        for seed in range(5):
+            frame = env.reset(seed=seed)[0]["image"]
+            shown = [c for c in COLOURS if colour_pixels(frame, c) > 0]
+            assert shown == [env.target_colour], f"seed {seed}: {shown} on screen"
+            assert env.distractor_xy.shape == (0, 2) and env._failure() is None
+            full.reset(seed=seed)  # the same seed starts the arm where the three-ball task does
+            assert env.target_colour == full.target_colour
+            np.testing.assert_allclose(env.joint_angles, full.joint_angles)
+            info = run_episode(env, seed, lambda e: expert_action(e, np.random.default_rng(), noise=0.0))
+            assert info["success"], f"seed {seed}: {info}"
+    with pytest.raises(ValueError, match="distractors must be 0 to 2"):
+        make_env("reach", distractors=3)
+
+
 def test_the_tip_control_expert_succeeds_without_noise() -> None:
     with make_env("reach", control="tip") as env:
         for seed in range(10):
