@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `envs` the package, not bench/envs.py
+
 from common import machine, write_result
 
 from mmrl.actor import forward_logprobs

@@ -33,8 +33,8 @@ class ReachEnv(MujocoEnv):
     Under ``control="tip"``: the fingertip's velocity in the table plane, x and y in [-1, 1]
     (±``TIP_SPEED``), turned into joint velocities through the arm's Jacobian, the end-effector
     delta actions LIBERO and Meta-World policies emit. Success: fingertip within ``TOUCH`` of the
-    target ball; touching one of the ``distractors`` (0-2) fails. State: shoulder angle (wrapped), elbow angle, their velocities, fingertip x, y
-    (float32, 6 values). 40 steps by default."""
+    target ball; touching one of the ``distractors`` (0-2) fails. State: shoulder angle (wrapped),
+    elbow angle, their velocities, fingertip x, y (float32, 6 values). 40 steps by default."""
 
     asset = "reach.xml"
     default_max_steps = 40
