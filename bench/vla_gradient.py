@@ -42,7 +42,7 @@ PARTS = {"all": "", "vision": "visual.", "language": "language_model."}
 
 def batch_gradient(
     cfg: Any, model: Any, engine: Any, prompts: Any, tokenizer: Any, envs: Any, seeds: list[int]
-):
+) -> tuple[dict[str, torch.Tensor], float, int]:
     """The flattened policy gradient of one batch of episodes on `seeds`, its success and mixed groups."""
     n = cfg.rollout.n
     params = SamplingParams(
