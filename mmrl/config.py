@@ -405,6 +405,12 @@ class EnvConfig(_Section):
     num_workers: int = Field(
         0, ge=0, description="Ray env worker processes; 0 steps the envs in the trainer's process"
     )
+    max_envs: int | None = Field(
+        None,
+        gt=0,
+        description="Envs alive at once; more episodes than this run in waves. Bounds memory for heavy "
+        "simulators (a Meta-World env holds ~180 MB); default: one env per episode",
+    )
     timeout_s: float = Field(60.0, gt=0, description="Per reset/step call on a worker before it is replaced")
     max_restarts: int = Field(3, ge=0, description="Replacements of one worker within one call")
     val_episodes: int = Field(50, ge=0, description="Greedy evaluation episodes at each validation")

@@ -107,6 +107,41 @@ def test_episodes_run_in_lockstep_and_each_decision_earns_its_episode_return(pol
     assert anchors[0] == anchors[1] != anchors[2]
 
 
+def test_more_episodes_than_envs_run_in_waves_with_the_outcome_of_one_batch(policy) -> None:
+    model, processor = policy
+    tokenizer = ActionTokenizer(action_dim=2, start_id=0, n_bins=model.config.text_config.vocab_size)
+    seeds = [5, 5, 6, 6, 7]  # with 3 envs: waves [5, 5, 6] and [6, 7]; seed 6's group straddles them
+    engine, prompts = HFEngine(model, processor), ObservationPrompts(processor, BUDGET)
+    whole, waves = (
+        run_episodes(
+            engine,
+            LocalEnvs("reach", size, {"image_size": 56, "max_steps": 4}),
+            prompts,
+            tokenizer,
+            seeds,
+            SamplingParams(temperature=0.0),
+            group_size=2,
+            record=4,
+        )
+        for size in (5, 3)
+    )
+    assert torch.equal(whole.returns, waves.returns) and torch.equal(whole.lengths, waves.lengths)
+
+    def by_episode(run, column):
+        order = torch.sort(run.batch["episode_index"], stable=True).indices
+        return run.batch[column][order]
+
+    for column in ("episode_index", "group_index", "response_ids", "scores"):
+        assert torch.equal(by_episode(whole, column), by_episode(waves, column)), column
+    # Seed 6's two episodes, one per wave, start from one state: one anchor for GiGPO.
+    first = [int((waves.batch["episode_index"] == e).nonzero()[0]) for e in range(5)]
+    anchors = waves.batch["anchor_index"][first].tolist()
+    assert anchors[0] == anchors[1] != anchors[2] == anchors[3] != anchors[4]
+    assert len(waves.frames) == 4  # three from the first wave, one from the second
+    for ours, theirs in zip(waves.frames, whole.frames, strict=True):
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 class RenderingEveryStep(LocalEnvs):
     """Renders each step whatever the episode loop asks: the reference that skipping must match."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -60,13 +60,56 @@ def run_episodes(
     invalid_penalty: float = 0.0,
     record: int = 0,
 ) -> Episodes:
-    """Run one episode per seed on `envs` (one env each, spare envs idle) until every episode has ended.
+    """Run one episode per seed until every episode has ended: all at once when `envs` holds one env
+    per seed, else in waves of `envs.num_envs` (a simulator whose envs would not all fit in memory).
 
     Consecutive runs of `group_size` seeds form a group (pass each seed `group_size` times). A
     malformed response is applied as the zero action, counted, and costs `invalid_penalty`."""
+    size = envs.num_envs
+    anchor_ids: dict[bytes, int] = {}  # shared by the waves: equal states get one anchor across them
+    waves = [
+        _run_wave(
+            engine,
+            envs,
+            prompts,
+            tokenizer,
+            seeds[start : start + size],
+            params,
+            invalid_penalty,
+            max(0, record - start),
+            anchor_ids,
+        )
+        for start in range(0, len(seeds), size)
+    ]
+    for k, wave in enumerate(waves):
+        wave.batch.set(episode_index=wave.batch["episode_index"] + k * size)
+    batch = concat([w.batch for w in waves])
+    returns = torch.cat([w.returns for w in waves])
+    batch.set(group_index=batch["episode_index"] // group_size, scores=returns[batch["episode_index"]])
+    invalid = sum((Counter(w.invalid) for w in waves), Counter())
+    return Episodes(
+        batch=batch,
+        returns=returns,
+        success=torch.cat([w.success for w in waves]),
+        lengths=torch.cat([w.lengths for w in waves]),
+        invalid=dict(invalid),
+        frames=[f for w in waves for f in w.frames],
+    )
+
+
+def _run_wave(
+    engine: RolloutEngine,
+    envs: VectorEnv,
+    prompts: ObservationPrompts,
+    tokenizer: ActionTokenizer,
+    seeds: list[int],
+    params: SamplingParams,
+    invalid_penalty: float,
+    record: int,
+    anchor_ids: dict[bytes, int],
+) -> Episodes:
+    """One episode per seed, one env each (spare envs idle), in lockstep; `episode_index` counts from 0."""
     n = len(seeds)
-    if n > envs.num_envs:
-        raise ValueError(f"{n} episodes need as many envs; the pool has {envs.num_envs}")
     obs = [r[0] for r in envs.reset([*seeds, *[None] * (envs.num_envs - n)])[:n]]
     returns, success, lengths = np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     live = np.ones(n, dtype=bool)
@@ -75,7 +118,6 @@ def run_episodes(
     recent = [deque([o["image"]] * prompts.history, maxlen=prompts.history) for o in obs]
     params = replace(params, n=1, max_new_tokens=tokenizer.n_tokens)
     parts, step_rewards, anchors = [], [], []
-    anchor_ids: dict[bytes, int] = {}
     while live.any():
         idx = np.flatnonzero(live).tolist()
         samples = prompts([obs[i] for i in idx], row_ids=idx, frames=[list(recent[i]) for i in idx])
@@ -114,10 +156,7 @@ def run_episodes(
                     live[i], success[i] = False, bool(info["success"])
         step_rewards.append(returns[idx] - before)
     batch = concat(parts)
-    episode = batch["episode_index"]
     batch.set(
-        group_index=episode // group_size,
-        scores=torch.tensor(returns, dtype=torch.float32)[episode],
         step_rewards=torch.tensor(np.concatenate(step_rewards), dtype=torch.float32),
         anchor_index=torch.tensor(anchors),
     )

@@ -30,8 +30,10 @@ from mmrl.vla.sft import load_action_tokenizer, save_action_tokenizer
 
 
 def make_envs(cfg: Any, count: int) -> VectorEnv:
-    """`count` envs of the configured task: in this process, or over `env.num_workers` Ray workers."""
+    """`count` envs of the configured task (at most `env.max_envs`): in this process, or over
+    `env.num_workers` Ray workers."""
     env = cfg.env
+    count = min(count, env.max_envs or count)
     if not env.num_workers:
         return LocalEnvs(env.task, count, env.options)
     from envs.workers import EnvPool
