@@ -9,6 +9,7 @@ error and raises ValueError. A response without a parseable box scores 0 and nev
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -146,15 +147,18 @@ def zoom_hit(sample: RewardInput, key: str = "target_box", min_fill: float = 0.2
     """1.0 if one of the agent's `image_zoom` calls framed the target: its box holds the centre of the
     row's `extra[key]` ([x1, y1, x2, y2] in the coordinates the model saw) and the target fills at least
     `min_fill` of the box's area (0.25: the target spans half the zoom's width), so a box around the
-    whole image, which holds every target but enlarges none, is no hit. The rate of useful zooms of an
-    agent run (`mmrl.agent`; the turns are in `extra["agent_turns"]`); with weight 0 it is only logged."""
+    whole image, which holds every target but enlarges none, is no hit. Only a zoom that happened counts:
+    its turn is answered by a tool turn that shows an image (a garbled call's box in the text is no hit).
+    The rate of useful zooms of an agent run (`mmrl.agent`; the turns are in `extra["agent_turns"]`); with
+    weight 0 it is only logged."""
     target = make_box(sample.extra.get(key))
     if target is None:
         raise ValueError(f"zoom_hit needs the row's target box in column {key!r} as [x1, y1, x2, y2]")
     cx, cy = (target.x1 + target.x2) / 2, (target.y1 + target.y2) / 2
     target_area = (target.x2 - target.x1) * (target.y2 - target.y1)
-    for turn in sample.extra.get("agent_turns", []):
-        if turn["role"] != "assistant":
+    turns = sample.extra.get("agent_turns", [])
+    for turn, reply in itertools.pairwise(turns):
+        if turn["role"] != "assistant" or reply["role"] == "assistant" or not reply["images"]:
             continue
         for found in _ZOOM_BOX.findall(turn["text"]):
             try:

@@ -363,14 +363,19 @@ def test_the_example_user_tools_run_in_workers_with_the_trajectorys_images() -> 
 
 
 def test_the_agent_graders_read_the_turns() -> None:
-    """zoom_hit: a zoom whose box holds the target's centre and is tight enough to enlarge it (a box
-    around every place a target can be is no hit); answer_with_tool: right, and after a call."""
+    """zoom_hit: a zoom that happened, whose box holds the target's centre and is tight enough to enlarge
+    it (a box around every place a target can be is no hit); answer_with_tool: right, and after a call."""
     from rewards import RewardInput
     from rewards.graders import GRADERS
 
-    def zoom(box: str) -> list[dict[str, Any]]:
+    crop = Image.new("RGB", (8, 8))
+
+    def zoom(box: str, shown: tuple[Image.Image, ...] = (crop,)) -> list[dict[str, Any]]:
         call = ZOOM_CALL.replace("[56, 0, 112, 56]", box)
-        return [{"role": "assistant", "text": call, "images": []}, {"role": "tool", "text": "", "images": []}]
+        return [
+            {"role": "assistant", "text": call, "images": []},
+            {"role": "tool", "text": "", "images": list(shown)},
+        ]
 
     turns = zoom("[96, 26, 76, 6]")  # 20 x 20 around the 12 x 12 target, its corners the other way round
     extra = {
@@ -387,6 +392,9 @@ def test_the_agent_graders_read_the_turns() -> None:
     assert GRADERS["zoom_hit"](miss) == 0.0
     for wide in ("[56, 0, 112, 56]", "[0, 0, 112, 112]"):  # holds the target, but 22x its area and more
         assert GRADERS["zoom_hit"](RewardInput("", extra={**extra, "agent_turns": zoom(wide)})) == 0.0
+    tight = "[96, 26, 76, 6]"
+    for turns in (zoom(tight, shown=()), zoom(tight)[:1]):  # the tool answered with an error, or never
+        assert GRADERS["zoom_hit"](RewardInput("", extra={**extra, "agent_turns": turns})) == 0.0
     wrong = RewardInput("<answer>blue</answer>", ground_truth="red", extra=extra)
     assert GRADERS["answer_with_tool"](wrong) == 0.0
     malformed = RewardInput(
