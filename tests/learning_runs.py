@@ -160,7 +160,7 @@ RUNS: dict[str, LearningRun] = {
         metric="val/env_success",
     ),
     # The agent quickstart at full length: a tool call, then an answer read from the zoomed crop. Greedy
-    # held-out accuracy 0.33 -> 0.67 (seed 1) and 0.00 -> 1.00 (seed 2) on a 2-core Intel Xeon
+    # held-out accuracy 0.33 -> 0.67 (seed 1) and 0.00 -> 0.67 (seed 2) on a 2-core Intel Xeon
     # (2026-11-28, docs/benchmarks.md "Agents", sixth pass); with KL 0.05 the same CPU broke seed 1's greedy
     # call at step 30 (0.00), where an AMD EPYC had read 0.67 in both seeds. A policy that does not read the
     # crop answers one colour, 0.33 exactly, as the no-tool baseline does at every validation; so the gain
