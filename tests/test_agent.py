@@ -377,7 +377,8 @@ def test_the_agent_graders_read_the_turns() -> None:
             {"role": "tool", "text": "", "images": list(shown)},
         ]
 
-    turns = zoom("[96, 26, 76, 6]")  # 20 x 20 around the 12 x 12 target, its corners the other way round
+    tight = "[96, 26, 76, 6]"
+    turns = zoom(tight)  # 20 x 20 around the 12 x 12 target, its corners the other way round
     extra = {
         "agent_turns": turns,
         "agent_tool_calls": 1,
@@ -392,7 +393,6 @@ def test_the_agent_graders_read_the_turns() -> None:
     assert GRADERS["zoom_hit"](miss) == 0.0
     for wide in ("[56, 0, 112, 56]", "[0, 0, 112, 112]"):  # holds the target, but 22x its area and more
         assert GRADERS["zoom_hit"](RewardInput("", extra={**extra, "agent_turns": zoom(wide)})) == 0.0
-    tight = "[96, 26, 76, 6]"
     for turns in (zoom(tight, shown=()), zoom(tight)[:1]):  # the tool answered with an error, or never
         assert GRADERS["zoom_hit"](RewardInput("", extra={**extra, "agent_turns": turns})) == 0.0
     wrong = RewardInput("<answer>blue</answer>", ground_truth="red", extra=extra)

@@ -38,7 +38,7 @@ def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
         "trainer.val_every=0",
         "trainer.val_before_train=false",
         # Loss 0.10 and every first turn a call here; 60 steps at 1e-2 (loss 1.2) or 3e-3 (1.1) left
-        # calls to chance on one CPU, so the margin is kept (docs/benchmarks.md, "Agents").
+        # the policy answering without a call on one CPU, so the margin is kept (docs/benchmarks.md, "Agents").
         "warmup.steps=100",
         "warmup.batch_size=16",
         "data.train_batch_size=4",
