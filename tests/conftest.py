@@ -95,12 +95,14 @@ def _start_order(item: pytest.Item) -> tuple[bool, int]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_start_order)  # stable: the order within each class is kept
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skips = {
+        "gpu": None if torch.cuda.is_available() else "needs a CUDA GPU",
+        "recipe": None if os.environ.get("MMRL_RECIPES") == "1" else "a full-size recipe: set MMRL_RECIPES=1",
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        reason = next((why for marker, why in skips.items() if why and marker in item.keywords), None)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # The whole suite must stay inside CI's budget (the README's test command on a 2-core machine). A run that

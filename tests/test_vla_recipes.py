@@ -1,0 +1,59 @@
+"""The VLA recipes at full size, run as a user runs them: `mmrl model init-tiny`, `mmrl sft`, `mmrl train`
+on the shipped config, then the run's greedy success on its unseen seeds before and after RL.
+
+Each takes about an hour of a 2-core CPU, more than CI has room for, so they are `recipe` tests: skipped
+unless `MMRL_RECIPES=1` (`MMRL_RECIPES=1 pytest tests/test_vla_recipes.py`). They run in subprocesses with
+two threads and the CPU's own kernels, as the figures in docs/benchmarks.md were measured; the suite's
+one-thread AVX2 pin (tests/conftest.py) would make them another run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from learning_runs import REPO, validations
+
+from mmrl.logger import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.recipe]
+
+_PINS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
+
+
+def run_recipe(config: str, root: Path) -> list[tuple[int, float]]:
+    """Clone, then RL, with `config` as shipped (outputs under `root`); (step, greedy success) of every
+    validation of the RL run, the first being the clone's."""
+    env = {k: v for k, v in os.environ.items() if k not in _PINS}
+    env.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
+    paths = [f"model.path={root / 'sft-model'}", f"sft.base_model={root / 'tiny-model'}"]
+    for args in (
+        ["model", "init-tiny", str(root / "tiny-model")],
+        ["sft", config, *paths],
+        ["train", config, *paths, f"trainer.output_dir={root / 'run'}", "trainer.progress=false"],
+    ):
+        with (root / f"{args[0]}.log").open("w") as log:
+            done = subprocess.run(
+                [sys.executable, "-m", "mmrl.cli", *args],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        assert done.returncode == 0, f"mmrl {args[0]} failed; see {root / (args[0] + '.log')}"
+    return validations(read_metrics(root / "run" / "metrics.jsonl"), "val/success")
+
+
+def test_reach_wrist_recipe_reaches_the_target_and_rl_adds_to_the_clone(tmp_path) -> None:
+    """The issue's target: greedy success >= 0.8 on 100 unseen seeds after SFT + RL, RL adding >= 10
+    points. Measured on a 2-core Intel Xeon (2026-11-27): 0.60 -> 0.84 with the config's seed 1; seed 2
+    gave 0.60 -> 0.79, so the recipe lands at about 0.8 and another CPU's run may fall just short."""
+    runs = run_recipe("configs/vla_reach_wrist.yaml", tmp_path)
+    (_, cloned), (step, trained) = runs[0], runs[-1]
+    print(f"reach (wrist): greedy success {cloned:.2f} after SFT -> {trained:.2f} after {step} RL steps")
+    assert step == 30
+    assert trained >= 0.8, f"greedy success {cloned} -> {trained}: under the target 0.8"
+    assert trained - cloned >= 0.10, f"RL added {trained - cloned:+.2f} to the clone's {cloned}"
