@@ -1,7 +1,7 @@
 """The VLA recipes at full size, run as a user runs them: `mmrl model init-tiny`, `mmrl sft`, `mmrl train`
-on the shipped config, then the run's greedy success on its unseen seeds before and after RL.
+on the shipped config, then the run's success on its unseen seeds before and after RL.
 
-Each takes about an hour of a 2-core CPU, more than CI has room for, so they are `recipe` tests: skipped
+Reach takes about an hour of a 2-core CPU and Meta-World half that, more than CI has room for, so they are `recipe` tests: skipped
 unless `MMRL_RECIPES=1` (`MMRL_RECIPES=1 pytest tests/test_vla_recipes.py`). They run in subprocesses with
 two threads and the CPU's own kernels, as the figures in docs/benchmarks.md were measured; the suite's
 one-thread AVX2 pin (tests/conftest.py) would make them another run.
@@ -25,7 +25,7 @@ _PINS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
 
 
 def run_recipe(config: str, root: Path) -> list[tuple[int, float]]:
-    """Clone, then RL, with `config` as shipped (outputs under `root`); (step, greedy success) of every
+    """Clone, then RL, with `config` as shipped (outputs under `root`); (step, success) of every
     validation of the RL run, the first being the clone's."""
     env = {k: v for k, v in os.environ.items() if k not in _PINS}
     env.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
@@ -57,3 +57,17 @@ def test_reach_wrist_recipe_reaches_the_target_and_rl_adds_to_the_clone(tmp_path
     assert step == 30
     assert trained >= 0.8, f"greedy success {cloned} -> {trained}: under the target 0.8"
     assert trained - cloned >= 0.10, f"RL added {trained - cloned:+.2f} to the clone's {cloned}"
+
+
+def test_metaworld_handle_press_recipe_lifts_the_clone(tmp_path) -> None:
+    """RL on a Meta-World task lifts the clone's sampled success on 100 unseen seeds. Measured on a
+    2-core AMD EPYC (2026-11-28), two runs from one clone: 0.60 -> 0.73 (trainer seed 1, shipped) and
+    0.45 -> 0.78 (seed 2). One validation samples, so its 100 episodes move by about 7 points between
+    sampling seeds: the clone scored 0.60, 0.45 and 0.57 under three, each run's final 0.73-0.78. The
+    thresholds keep 8 points below the worst final and the worst gain."""
+    runs = run_recipe("configs/vla_metaworld_handle_press.yaml", tmp_path)
+    (_, cloned), (step, trained) = runs[0], runs[-1]
+    print(f"handle-press: sampled success {cloned:.2f} after SFT -> {trained:.2f} after {step} RL steps")
+    assert step == 16
+    assert trained >= 0.65, f"sampled success {cloned} -> {trained}: under 0.65"
+    assert trained - cloned >= 0.05, f"RL added {trained - cloned:+.2f} to the clone's {cloned}"
