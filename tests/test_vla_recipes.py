@@ -1,8 +1,8 @@
 """The VLA recipes at full size, run as a user runs them: `mmrl model init-tiny`, `mmrl sft`, `mmrl train`
 on the shipped config, then the run's success on its unseen seeds before and after RL.
 
-Reach takes about an hour of a 2-core CPU and Meta-World half that, more than CI has room for; cut to 8
-minutes of one core, the Meta-World lift falls within one validation's noise (docs/benchmarks.md, "At a
+Each takes about 25 minutes of a 2-core CPU (reach 26, Meta-World 24 on an AMD EPYC VM), together twice
+CI's whole suite; cut to 8 minutes of one core, the Meta-World lift falls within one validation's noise (docs/benchmarks.md, "At a
 size CI has room for"). So they are `recipe` tests: skipped unless `MMRL_RECIPES=1`
 (`MMRL_RECIPES=1 pytest tests/test_vla_recipes.py`). They run in subprocesses with two threads and the
 CPU's own kernels, as the figures in docs/benchmarks.md were measured; the suite's one-thread AVX2 pin
@@ -52,7 +52,8 @@ def run_recipe(config: str, root: Path) -> list[tuple[int, float]]:
 def test_reach_wrist_recipe_reaches_the_target_and_rl_adds_to_the_clone(tmp_path) -> None:
     """The issue's target: greedy success >= 0.8 on 100 unseen seeds after SFT + RL, RL adding >= 10
     points. Measured on a 2-core Intel Xeon (2026-11-27): 0.60 -> 0.84 with the config's seed 1; seed 2
-    gave 0.60 -> 0.79, so the recipe lands at about 0.8 and another CPU's run may fall just short."""
+    gave 0.60 -> 0.79, so the recipe lands at about 0.8 and another CPU's run may fall just short. This
+    test on a 2-core AMD EPYC (2026-11-29): 0.54 -> 0.81, in 26 minutes."""
     runs = run_recipe("configs/vla_reach_wrist.yaml", tmp_path)
     (_, cloned), (step, trained) = runs[0], runs[-1]
     print(f"reach (wrist): greedy success {cloned:.2f} after SFT -> {trained:.2f} after {step} RL steps")
