@@ -2,11 +2,11 @@
 on the shipped config, then the run's success on its unseen seeds before and after RL.
 
 Each takes about 25 minutes of a 2-core CPU (reach 26, Meta-World 24 on an AMD EPYC VM), together twice
-CI's whole suite; cut to 8 minutes of one core, the Meta-World lift falls within one validation's noise (docs/benchmarks.md, "At a
-size CI has room for"). So they are `recipe` tests: skipped unless `MMRL_RECIPES=1`
-(`MMRL_RECIPES=1 pytest tests/test_vla_recipes.py`). They run in subprocesses with two threads and the
-CPU's own kernels, as the figures in docs/benchmarks.md were measured; the suite's one-thread AVX2 pin
-(tests/conftest.py) would make them another run.
+CI's whole suite; cut to 8 minutes of one core, the Meta-World lift falls within one validation's noise
+(docs/benchmarks.md, "At a size CI has room for"). So they are `recipe` tests: skipped unless
+`MMRL_RECIPES=1` (`MMRL_RECIPES=1 pytest tests/test_vla_recipes.py`). They run in subprocesses with two
+threads and the CPU's own kernels, as the figures in docs/benchmarks.md were measured; the suite's
+one-thread AVX2 pin (tests/conftest.py) would make them another run.
 """
 
 from __future__ import annotations
