@@ -38,12 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import torch
 
-    from mmrl.agent.source import AgentLoops
     from mmrl.config import load_config
+    from mmrl.data.synthetic_zoom import generate_zoom
     from mmrl.models import load_policy, load_processor
     from mmrl.rollout import SamplingParams, engine_from_config
-    from mmrl.rollout.prompts import build_datasets
-    from mmrl.synthetic_zoom import generate_zoom
+    from mmrl.sources.agents import AgentLoops
+    from mmrl.sources.prompts import build_datasets
 
     generate_zoom(root / "data", n_train=args.batch, n_val=0, seed=0)
     overrides = [

@@ -20,8 +20,8 @@ QUESTION = "What colour is the shape?"
 
 def make_workspace(root: Path, n_train: int, image_size: int, n_val: int = 16) -> tuple[Path, Path]:
     """Build the tiny Qwen2.5-VL and render the colour task under `root` (reused when present)."""
+    from mmrl.data.synthetic import generate
     from mmrl.models import build_tiny
-    from mmrl.synthetic import generate
 
     model_dir, data_dir = root / "tiny-model", root / "data"
     if not (model_dir / "config.json").exists():

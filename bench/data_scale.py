@@ -36,10 +36,10 @@ import json, sys, time
 t0 = time.perf_counter()
 import datasets  # about a second (pandas), paid once per process whichever loader runs: not counted
 from mmrl.config import load_config
-from mmrl.loaders import PromptLoader
-from mmrl.logger import peak_rss_gb
+from mmrl.data.loaders import PromptLoader
+from mmrl.run.logger import peak_rss_gb
 from mmrl.models import load_config as model_config, load_processor
-from mmrl.rollout.prompts import build_datasets
+from mmrl.sources.prompts import build_datasets
 cfg = load_config(sys.argv[1], sys.argv[2:])
 processor, config = load_processor(cfg.model.path), model_config(cfg.model.path)
 t1 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Env throughput: MuJoCo task steps per second, rendering every frame, in 1 and in N worker processes.
 
 Two measurements: the raw env in plain worker processes (the ceiling), and the same envs behind
-`envs.workers.EnvPool` (Ray actors, batched calls, timeouts): what an episode rollout gets.
+`mmrl.envs.workers.EnvPool` (Ray actors, batched calls, timeouts): what an episode rollout gets.
 
 VLA rollouts step many envs per policy decision, so env speed sets the floor on episode time. Each
 worker process builds its env, warms it up, waits for the others at a barrier, then times `--steps`
@@ -46,7 +46,7 @@ def worker(task: str, image_size: int, steps: int, seed: int, barrier: Any, resu
     """Build the env, warm up, wait for every worker, then time ``steps`` random-action steps."""
     import numpy as np
 
-    from envs import make_env
+    from mmrl.envs import make_env
 
     start = time.perf_counter()
     env = make_env(task, image_size=image_size)
@@ -94,7 +94,7 @@ def measure_pool(task: str, workers: int, num_envs: int, steps: int, image_size:
     import numpy as np
     import ray
 
-    from envs.workers import EnvPool
+    from mmrl.envs.workers import EnvPool
 
     ray.init(num_cpus=max(workers, 2), include_dashboard=False, logging_level="ERROR")
     start = time.perf_counter()

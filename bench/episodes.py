@@ -61,18 +61,18 @@ def measure(
 ) -> dict[str, Any]:
     import torch
 
-    from envs.actions import ActionTokenizer
-    from envs.vector import LocalEnvs
+    from mmrl.envs.actions import ActionTokenizer
+    from mmrl.envs.vector import LocalEnvs
+    from mmrl.processors import PixelBudget
     from mmrl.rollout import SamplingParams
     from mmrl.rollout.hf import HFEngine
     from mmrl.vla.episodes import run_episodes
     from mmrl.vla.observations import ObservationPrompts
-    from processors import PixelBudget
 
     options = {"image_size": args.image_size, "max_steps": args.max_steps}
     start = time.perf_counter()
     if workers:
-        from envs.workers import EnvPool
+        from mmrl.envs.workers import EnvPool
 
         envs: Any = EnvPool(args.task, args.episodes, workers, options)
     else:

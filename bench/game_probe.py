@@ -29,14 +29,14 @@ from common import REPO, machine, write_result
 
 sys.path.insert(0, str(REPO))  # the envs package, not bench/envs.py
 
-from envs.gridnav import MOVES, GridNavEnv
-from mmrl.actor import forward_logprobs
 from mmrl.agent.game import PROMPT
-from mmrl.batch import Batch, right_pad
-from mmrl.data import PromptSample, with_pixels
+from mmrl.data.batch import Batch, right_pad
+from mmrl.data.dataset import PromptSample, with_pixels
+from mmrl.envs.gridnav import MOVES, GridNavEnv
 from mmrl.models import build_tiny, load_policy, load_processor
-from mmrl.supervised import supervised_batch_step
-from processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
+from mmrl.processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
+from mmrl.training.actor import forward_logprobs
+from mmrl.training.supervised import supervised_batch_step
 
 BASE = {"size": 3, "walls": 0, "max_steps": 6, "view": "agent", "image_size": 56}
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from common import load_average, median, provenance, write_result
 
-from processors import PixelBudget, smart_size
-from rewards import GRADERS, ImageSize, RewardInput
-from rewards.geometry import _parse
+from mmrl.processors import PixelBudget, smart_size
+from mmrl.rewards import GRADERS, ImageSize, RewardInput
+from mmrl.rewards.geometry import _parse
 
 REASONING = "Consider the figure: triangle ABC is right-angled at B and AB = 5. " * 22
 

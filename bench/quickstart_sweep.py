@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, write_result
 
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 
 # task -> (held-out metric, sampled training metric)
 METRICS = {

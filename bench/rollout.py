@@ -36,10 +36,10 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import torch
 
     from mmrl.config import load_config
-    from mmrl.data import PromptDataset
+    from mmrl.data.dataset import PromptDataset
     from mmrl.models import load_policy, load_processor
     from mmrl.rollout import SamplingParams, engine_from_config
-    from mmrl.rollout.prompts import build_datasets
+    from mmrl.sources.prompts import build_datasets
 
     model_dir, data_dir = make_workspace(root, args.batch, args.image_size)
     pixels = args.image_size**2

@@ -27,7 +27,7 @@ from common import (
     write_result,
 )
 
-from mmrl.logger import peak_rss_gb
+from mmrl.run.logger import peak_rss_gb
 
 PHASES = ("data", "rollout", "reward", "old_logprobs", "ref", "advantage", "update", "sync")
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import torch
 
     from mmrl.config import load_config
-    from mmrl.logger import read_metrics
+    from mmrl.run.logger import read_metrics
     from mmrl.trainer import Trainer
 
     if args.threads:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from common import load_average, median, provenance, write_result
 
-from processors import VideoBudget, read_video
+from mmrl.processors import VideoBudget, read_video
 
 BACKENDS = ("decord", "pyav")
 

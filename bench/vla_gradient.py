@@ -26,16 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `envs` the pa
 
 from common import machine, write_result
 
-from mmrl.actor import forward_logprobs
 from mmrl.algorithms import get_advantage_estimator
 from mmrl.config import load_config
-from mmrl.data import image_budget
-from mmrl.evaluate import load_for_eval
+from mmrl.data.dataset import image_budget
+from mmrl.evaluate.prompts import load_for_eval
 from mmrl.rollout import SamplingParams
+from mmrl.sources.episodes import episode_advantages, make_envs
+from mmrl.training.actor import forward_logprobs
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.observations import ObservationPrompts
 from mmrl.vla.sft import load_action_tokenizer
-from mmrl.vla.source import episode_advantages, make_envs
 
 PARTS = {"all": "", "vision": "visual.", "language": "language_model."}
 

@@ -70,7 +70,7 @@ from common import (
     write_result,
 )
 
-from mmrl.logger import peak_rss_gb
+from mmrl.run.logger import peak_rss_gb
 
 SYSTEMS = ("mmrl", "trl")
 # mmrl with its actor's padding removed (packed) against mmrl padded: `--systems mmrl,trl,mmrl-padded`.
@@ -281,8 +281,8 @@ def lengths_summary(lengths: list[int]) -> dict[str, float]:
 def run_mmrl(args: argparse.Namespace, root: Path, extra: list[str] | None = None) -> dict[str, Any]:
     """GRPO steps through mmrl's Trainer; timings from its metrics.jsonl."""
     from mmrl.config import load_config
-    from mmrl.logger import read_metrics
     from mmrl.rollout.hf import HFEngine
+    from mmrl.run.logger import read_metrics
     from mmrl.trainer import Trainer
 
     lengths: list[int] = []
@@ -373,7 +373,7 @@ class PhaseClock:
 
 def trl_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
     """TRL-style reward: mmrl's `answer_match` grader on each completion's text."""
-    from rewards import GRADERS, RewardInput
+    from mmrl.rewards import GRADERS, RewardInput
 
     grade = GRADERS["answer_match"]
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -389,7 +389,7 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from mmrl.models import never_generated_ids
-    from processors.chat import build_messages, encode_prompt
+    from mmrl.processors.chat import build_messages, encode_prompt
 
     start = root / "start-model"
     rows = [json.loads(line) for line in (root / "data" / "train.jsonl").read_text().splitlines()]

@@ -1,6 +1,6 @@
 """What can the tiny policy read from the zoom task's first view alone, without the tool?
 
-Single-turn GRPO with the colour quickstart's recipe over the zoom task's scenes (`mmrl.synthetic_zoom`):
+Single-turn GRPO with the colour quickstart's recipe over the zoom task's scenes (`mmrl.data.synthetic_zoom`):
 - `--ask side`: "is the mark on the left or the right?" over two-place scenes (chance 0.5). The zoom
   quickstart asks the policy to pick the box that holds the mark from this view.
 - `--ask colour --places 1`: the zoom task's own question with the tool taken away, the no-tool
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_result
 from quickstart_sweep import run_variant
 
-from mmrl.synthetic_zoom import generate_zoom
+from mmrl.data.synthetic_zoom import generate_zoom
 
 QUESTIONS = {
     "side": "<image>Is the grey mark on the left or the right?",

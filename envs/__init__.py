@@ -4,9 +4,9 @@
 OpenGL backend) loads only when ``make_env`` first builds one.
 """
 
-from envs.actions import ActionStats, ActionTokenizer, InvalidAction
-from envs.base import Env, Info, Obs, StepResult
-from envs.registry import make_env, register_env, registered_envs
+from mmrl.envs.actions import ActionStats, ActionTokenizer, InvalidAction
+from mmrl.envs.base import Env, Info, Obs, StepResult
+from mmrl.envs.registry import make_env, register_env, registered_envs
 
 __all__ = [
     "ActionStats",
@@ -21,8 +21,8 @@ __all__ = [
     "registered_envs",
 ]
 
-register_env("reach", "envs.reach:ReachEnv")
-register_env("push", "envs.push:PushEnv")
-register_env("metaworld/", "envs.metaworld:MetaWorldEnv")
-register_env("libero/", "envs.libero:LiberoEnv")
-register_env("gridnav", "envs.gridnav:GridNavEnv")
+register_env("reach", "mmrl.envs.reach:ReachEnv")
+register_env("push", "mmrl.envs.push:PushEnv")
+register_env("metaworld/", "mmrl.envs.metaworld:MetaWorldEnv")
+register_env("libero/", "mmrl.envs.libero:LiberoEnv")
+register_env("gridnav", "mmrl.envs.gridnav:GridNavEnv")

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import Env
-from envs.gridnav import GridNavEnv, gridnav_expert
-from envs.metaworld import MetaWorldEnv, metaworld_expert
-from envs.push import PushEnv
-from envs.reach import ELBOW_LIMIT, LINK, TIP_SPEED, TOUCH, ReachEnv, forward_kinematics, jacobian
-from envs.registry import make_env
+from mmrl.envs.base import Env
+from mmrl.envs.gridnav import GridNavEnv, gridnav_expert
+from mmrl.envs.metaworld import MetaWorldEnv, metaworld_expert
+from mmrl.envs.push import PushEnv
+from mmrl.envs.reach import ELBOW_LIMIT, LINK, TIP_SPEED, TOUCH, ReachEnv, forward_kinematics, jacobian
+from mmrl.envs.registry import make_env
 
 __all__ = [
     "EXPERTS",

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from envs.base import NO_FRAME, Env, Info, Obs, StepResult
+from mmrl.envs.base import NO_FRAME, Env, Info, Obs, StepResult
 
 __all__ = ["MOVES", "GridNavEnv", "action_move", "gridnav_expert"]
 

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-from envs.base import NO_FRAME, Env, Info, Obs, StepResult
-from envs.gl import load_mujoco
-from envs.views import CameraViews
+from mmrl.envs.base import NO_FRAME, Env, Info, Obs, StepResult
+from mmrl.envs.gl import load_mujoco
+from mmrl.envs.views import CameraViews
 
 load_mujoco()  # picks the GL backend before robosuite imports mujoco
 

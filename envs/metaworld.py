@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import NO_FRAME, Env, Info, Obs, StepResult
-from envs.gl import load_mujoco
-from envs.views import CameraViews
+from mmrl.envs.base import NO_FRAME, Env, Info, Obs, StepResult
+from mmrl.envs.gl import load_mujoco
+from mmrl.envs.views import CameraViews
 
 __all__ = ["INSTRUCTIONS", "MetaWorldEnv", "metaworld_expert"]
 

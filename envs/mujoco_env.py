@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from envs.base import NO_FRAME, Env, Info, Obs, StepResult
-from envs.gl import load_mujoco, make_renderer
+from mmrl.envs.base import NO_FRAME, Env, Info, Obs, StepResult
+from mmrl.envs.gl import load_mujoco, make_renderer
 
 __all__ = ["ASSETS", "COLOURS", "MujocoEnv"]
 

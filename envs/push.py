@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from envs.mujoco_env import COLOURS, MujocoEnv
+from mmrl.envs.mujoco_env import COLOURS, MujocoEnv
 
 __all__ = ["ON_PATCH", "PushEnv"]
 

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from envs.mujoco_env import COLOURS, MujocoEnv
+from mmrl.envs.mujoco_env import COLOURS, MujocoEnv
 
 __all__ = ["ELBOW_LIMIT", "LINK", "TIP_SPEED", "TOUCH", "ReachEnv", "forward_kinematics", "jacobian"]
 

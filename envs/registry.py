@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from envs.base import Env
+from mmrl.envs.base import Env
 
 __all__ = ["make_env", "register_env", "registered_envs"]
 

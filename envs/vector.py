@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from envs.base import Info, Obs, StepResult
-from envs.registry import make_env
+from mmrl.envs.base import Info, Obs, StepResult
+from mmrl.envs.registry import make_env
 
 
 class VectorEnv(Protocol):
-    """What the episode loop drives: `LocalEnvs` here, or `envs.workers.EnvPool` on Ray."""
+    """What the episode loop drives: `LocalEnvs` here, or `mmrl.envs.workers.EnvPool` on Ray."""
 
     restarts: int
     num_envs: int

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.gl import load_mujoco, make_renderer
+from mmrl.envs.gl import load_mujoco, make_renderer
 
 mujoco = load_mujoco()
 

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import ray
 
-from envs.base import Info, Obs, StepResult
-from envs.vector import LocalEnvs
+from mmrl.envs.base import Info, Obs, StepResult
+from mmrl.envs.vector import LocalEnvs
 
-log = logging.getLogger("envs.workers")
+log = logging.getLogger("mmrl.envs.workers")
 
 
 class EnvWorkerError(RuntimeError):

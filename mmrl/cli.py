@@ -12,10 +12,10 @@ from pathlib import Path
 from rich.console import Console
 
 from mmrl.config import Config, ConfigError, dump_config, load_config
+from mmrl.config.recipes import resolve_config
 from mmrl.errors import RunStopped
-from mmrl.logger import DISK_FULL
-from mmrl.recipes import resolve_config
-from mmrl.stop_signals import RunInterrupted
+from mmrl.run.logger import DISK_FULL
+from mmrl.run.signals import RunInterrupted
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -53,8 +53,8 @@ def _preflight(cfg: Config) -> None:
             f"model.path: no model at {model}; this config starts from behaviour cloning, so run "
             "`mmrl sft` with it first (it writes model.path)"
         )
+    from mmrl.data.rows import resolve_data
     from mmrl.models import load_config as load_model_config
-    from mmrl.rows import resolve_data
 
     load_model_config(cfg.model.path)  # a folder or a hub id, of a supported family
 
@@ -65,7 +65,7 @@ def _preflight(cfg: Config) -> None:
             except (FileNotFoundError, ConfigError) as err:
                 raise type(err)(f"data.{key}: {err}") from None
     if cfg.env is None:  # env configs are scored by their environment, not by reward functions
-        from mmrl.scoring import check_rewards
+        from mmrl.sources.scoring import check_rewards
 
         check_rewards(cfg.reward)
 
@@ -95,16 +95,16 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from mmrl.evaluate import evaluate, print_table
+    from mmrl.evaluate.prompts import evaluate, print_table
 
     cfg = _load(args)
     _check_device(cfg.trainer.device)
     if cfg.env is not None:
-        from mmrl.vla.evaluate import evaluate_episodes
+        from mmrl.evaluate.episodes import evaluate_episodes
 
         print_table(evaluate_episodes(cfg, args.checkpoint, episodes=args.episodes, out=args.out), Console())
         return 0
-    from mmrl.scoring import check_rewards
+    from mmrl.sources.scoring import check_rewards
 
     check_rewards(cfg.reward)
     result = evaluate(
@@ -121,8 +121,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from mmrl.evaluate import resolve_checkpoint
-    from mmrl.lora import export_plain
+    from mmrl.evaluate.prompts import resolve_checkpoint
+    from mmrl.training.lora import export_plain
 
     out = export_plain(resolve_checkpoint(args.checkpoint), Path(args.out))
     print(f"plain transformers checkpoint written to {out}")
@@ -143,9 +143,9 @@ def _init_tiny(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from mmrl.synthetic import generate
-    from mmrl.synthetic_geometry import DEFAULT_IMAGE_SIZE, generate_geometry
-    from mmrl.synthetic_video import VIDEO_TASKS, generate_video
+    from mmrl.data.synthetic import generate
+    from mmrl.data.synthetic_geometry import DEFAULT_IMAGE_SIZE, generate_geometry
+    from mmrl.data.synthetic_video import VIDEO_TASKS, generate_video
 
     defaults = {"geometry": DEFAULT_IMAGE_SIZE, **dict.fromkeys(VIDEO_TASKS, 112)}
     size = args.image_size if args.image_size is not None else defaults.get(args.task, 56)
@@ -172,7 +172,7 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mmrl.synthetic import TASKS
+    from mmrl.data.synthetic import TASKS
 
     parser = argparse.ArgumentParser(
         prog="mmrl", description="RL for vision-language models and VLA policies."

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmrl.config import load_config
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # task -> its recipe; `zoom` is the agent quickstart (a tool call, then an answer), `game` a grid game
@@ -22,9 +22,9 @@ ZOOM_DATA = {"n_train": 512, "n_val": 96, "seed": 0, "places": 1}  # the mark at
 
 def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
     from mmrl.agent.game import write_game_rows
+    from mmrl.data.synthetic import generate
+    from mmrl.data.synthetic_zoom import generate_zoom
     from mmrl.models import build_tiny
-    from mmrl.synthetic import generate
-    from mmrl.synthetic_zoom import generate_zoom
     from mmrl.trainer import Trainer
 
     console = Console()

@@ -21,24 +21,24 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from mmrl import checkpoint as ckpt
-from mmrl.actor import Actor, build_actor, needs_reference
-from mmrl.batch import Batch
 from mmrl.config import Config, ConfigError
-from mmrl.critic import Critic, build_critic, critic_plan, needs_critic, value_model
+from mmrl.data.batch import Batch
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
-from mmrl.logger import MetricsLogger, plot_reward_curve
-from mmrl.lora import apply_lora, merged_weights
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
-from mmrl.optim import apply_settings
-from mmrl.progress import TrainingProgress
-from mmrl.resume import check_resume, record_config
 from mmrl.rollout import engine_from_config
-from mmrl.rollout.remote import RemoteRollout
-from mmrl.rollout.source import RolloutSource, StepContext, source_from_config
-from mmrl.run_lock import RunLock
-from mmrl.stop_signals import RunInterrupted, StopSignals
-from mmrl.timing import PhaseTimer
+from mmrl.run import checkpoint as ckpt
+from mmrl.run.lock import RunLock
+from mmrl.run.logger import MetricsLogger, plot_reward_curve
+from mmrl.run.progress import TrainingProgress
+from mmrl.run.resume import check_resume, record_config
+from mmrl.run.signals import RunInterrupted, StopSignals
+from mmrl.run.timing import PhaseTimer
+from mmrl.sources.base import RolloutSource, StepContext, source_from_config
+from mmrl.training.actor import Actor, build_actor, needs_reference
+from mmrl.training.critic import Critic, build_critic, critic_plan, needs_critic, value_model
+from mmrl.training.lora import apply_lora, merged_weights
+from mmrl.training.optim import apply_settings
+from mmrl.workers.remote import RemoteRollout
 
 if TYPE_CHECKING:
     from mmrl.workers.group import CriticRole, PolicyGroup

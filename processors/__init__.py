@@ -5,8 +5,8 @@ size by the model family's own transformers rule, so the number of image and vid
 tokens in a prompt always equals the number of features the vision tower produces.
 """
 
-from processors.chat import build_messages, encode_prompt, split_image_markers, split_media_markers
-from processors.image import (
+from mmrl.processors.chat import build_messages, encode_prompt, split_image_markers, split_media_markers
+from mmrl.processors.image import (
     ImageError,
     PixelBudget,
     SizeRule,
@@ -16,8 +16,8 @@ from processors.image import (
     num_image_tokens,
     smart_size,
 )
-from processors.rope import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
-from processors.video import (
+from mmrl.processors.rope import TRANSFORMERS_RULE, PositionRule, mrope_position_ids
+from mmrl.processors.video import (
     FramePlan,
     FrameRule,
     Video,
@@ -34,7 +34,7 @@ from processors.video import (
     video_pad_count,
     video_pixel_inputs,
 )
-from processors.vision import pixel_inputs
+from mmrl.processors.vision import pixel_inputs
 
 __all__ = [
     "TRANSFORMERS_RULE",

@@ -79,7 +79,7 @@ def encode_prompt(
     """Render the chat template and tokenise, expanding each image and video pad to its feature count.
 
     A video's entry is its pad count, or the whole text that replaces its pad where the family puts
-    text between frames (Qwen3-VL's timestamps: `processors.video.timestamped_video_text`). `tools`
+    text between frames (Qwen3-VL's timestamps: `mmrl.processors.video.timestamped_video_text`). `tools`
     (JSON schemas) go to the template, which describes them and the call format in the system turn."""
     extra = {"tools": list(tools)} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
 
-from processors.image import ImageError, entry_int, entry_keys, load_image
+from mmrl.processors.image import ImageError, entry_int, entry_keys, load_image
 
 log = logging.getLogger("mmrl.processors.video")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rewards.types import ImageSize
+from mmrl.rewards.types import ImageSize
 
 # Coordinate frames. "model_input": pixels of the resized image the model saw (Qwen2.5-VL answers in these);
 # "original": pixels of the stored image (what datasets such as RefCOCO annotate); "norm1000" and "norm1":

@@ -51,8 +51,8 @@ from numbers import Real
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rewards.graders import extract_answer, lazy_import, register_grader
-from rewards.types import RewardInput
+from mmrl.rewards.graders import extract_answer, lazy_import, register_grader
+from mmrl.rewards.types import RewardInput
 
 if TYPE_CHECKING:
     import sympy

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TypeVar
 
-from rewards.types import RewardFn, RewardInput
+from mmrl.rewards.types import RewardFn, RewardInput
 
 GRADERS: dict[str, RewardFn] = {}
 BATCHED_GRADERS: set[str] = set()

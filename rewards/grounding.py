@@ -1,6 +1,6 @@
 """Grounding graders: score boxes and points a model gives for objects in an image against ground truth.
 
-The model's coordinates and the ground truth's may be in different frames (see rewards.boxes.FRAMES):
+The model's coordinates and the ground truth's may be in different frames (see mmrl.rewards.boxes.FRAMES):
 Qwen2.5-VL answers in pixels of the resized image it saw (`response_frame="model_input"`), datasets store
 boxes in pixels of the original image (`gt_frame="original"`). Predictions are mapped into the ground-truth
 frame with `sample.image_sizes[image_index]`; a sample without sizes when frames differ is a configuration
@@ -13,7 +13,7 @@ import itertools
 import json
 import re
 
-from rewards.boxes import (
+from mmrl.rewards.boxes import (
     Box,
     answer_region,
     check_frame,
@@ -24,8 +24,8 @@ from rewards.boxes import (
     parse_response,
     scale_factors,
 )
-from rewards.graders import register_grader
-from rewards.types import ImageSize, RewardInput
+from mmrl.rewards.graders import register_grader
+from mmrl.rewards.types import ImageSize, RewardInput
 
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 

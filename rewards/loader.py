@@ -16,8 +16,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rewards.graders import GRADERS
-from rewards.types import RewardFn
+from mmrl.rewards.graders import GRADERS
+from mmrl.rewards.types import RewardFn
 
 
 def split_file_spec(spec: str) -> tuple[Path, str] | None:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, cast
 
-from rewards.graders import BATCHED_GRADERS
-from rewards.loader import load_reward_function, split_file_spec
-from rewards.outcome import EventLoop, Outcome, Scorer, run_calls
-from rewards.pool import RemoteFunction, WorkerPool
-from rewards.types import RewardInput, RewardResult
+from mmrl.rewards.graders import BATCHED_GRADERS
+from mmrl.rewards.loader import load_reward_function, split_file_spec
+from mmrl.rewards.outcome import EventLoop, Outcome, Scorer, run_calls
+from mmrl.rewards.pool import RemoteFunction, WorkerPool
+from mmrl.rewards.types import RewardInput, RewardResult
 
 logger = logging.getLogger("mmrl.rewards")
 

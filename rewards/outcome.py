@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass, field
 from typing import Any, Literal, SupportsFloat, TypeVar
 
-from rewards.types import RewardFn, RewardInput
+from mmrl.rewards.types import RewardFn, RewardInput
 
 OutcomeKind = Literal["ok", "exception", "timeout", "invalid"]
 

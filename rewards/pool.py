@@ -42,9 +42,9 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
-from rewards.loader import load_reward_function
-from rewards.outcome import EventLoop, Outcome, OutcomeKind, Scorer, run_calls
-from rewards.types import RewardInput
+from mmrl.rewards.loader import load_reward_function
+from mmrl.rewards.outcome import EventLoop, Outcome, OutcomeKind, Scorer, run_calls
+from mmrl.rewards.types import RewardInput
 
 
 @dataclass(frozen=True)

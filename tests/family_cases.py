@@ -14,17 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrl.actor import Actor, forward_logprobs
 from mmrl.algorithms import block_tokens
-from mmrl.batch import Batch
 from mmrl.config import ActorConfig, VLLMConfig
-from mmrl.data import PromptSample, with_pixels
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample, with_pixels
 from mmrl.models import Family, family_of, load_policy, load_processor
-from mmrl.optim import plan_minibatches
-from mmrl.rollout import SamplingParams, make_engine
-from mmrl.rollout.hf import vision_inputs
-from mmrl.rollout.vllm import VLLMEngine, vllm_available
-from processors import (
+from mmrl.processors import (
     PixelBudget,
     VideoBudget,
     build_messages,
@@ -33,6 +28,11 @@ from processors import (
     num_image_tokens,
     read_video,
 )
+from mmrl.rollout import SamplingParams, make_engine
+from mmrl.rollout.hf import vision_inputs
+from mmrl.rollout.vllm import VLLMEngine, vllm_available
+from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.optim import plan_minibatches
 
 # What a recipe needs to run on a CPU: paths aside, only batch sizes, lengths and one process.
 CPU_OVERRIDES = [

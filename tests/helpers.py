@@ -11,17 +11,24 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmrl.actor import build_actor
 from mmrl.agent.warmup import SCRIPT
-from mmrl.batch import Batch
 from mmrl.config import Config, VLLMConfig, load_config
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
+from mmrl.data.synthetic import generate
+from mmrl.data.synthetic_video import QUESTION, generate_video
 from mmrl.models import load_processor
-from mmrl.optim import UpdateStats, plan_minibatches
+from mmrl.processors import (
+    PixelBudget,
+    build_messages,
+    encode_prompt,
+    fit_image,
+    num_image_tokens,
+    pixel_inputs,
+)
 from mmrl.rollout import make_engine
-from mmrl.synthetic import generate
-from mmrl.synthetic_video import QUESTION, generate_video
-from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
+from mmrl.training.actor import build_actor
+from mmrl.training.optim import UpdateStats, plan_minibatches
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=112 * 112)
 
@@ -96,7 +103,7 @@ def mixed_media_dataset(
     root: Path, model_dir: Path, processor: Any, model_config: Any, overrides: tuple[str, ...] = ()
 ) -> tuple[Config, Any]:
     """The video quickstart recipe over `mixed_media_rows`: its config and training dataset."""
-    from mmrl.rollout.prompts import build_datasets
+    from mmrl.sources.prompts import build_datasets
 
     cfg = load_config(
         "configs/quickstart_video.yaml",
@@ -178,12 +185,12 @@ SHORT_ZOOM = {"function": "image_zoom", "description": "Zoom in", "parameters": 
 
 
 def zoom_prompts(processor: Any, budget: PixelBudget, count: int, tool: dict[str, Any]) -> list[PromptSample]:
-    """Zoom-task prompts (`mmrl.synthetic_zoom`) describing `tool`, with their full-size originals."""
+    """Zoom-task prompts (`mmrl.data.synthetic_zoom`) describing `tool`, with their full-size originals."""
     import numpy as np
 
     from mmrl.agent import ToolSpec
-    from mmrl.data import with_pixels
-    from mmrl.synthetic_zoom import draw
+    from mmrl.data.dataset import with_pixels
+    from mmrl.data.synthetic_zoom import draw
 
     tools = [ToolSpec.from_config(tool).schema()]
     rng = np.random.default_rng(0)
@@ -239,8 +246,8 @@ def assert_scored_like_sampled(model: Any, batch: Batch, pad_id: int) -> None:
     """The trainer's one forward over each multi-turn trajectory gives every policy token the log-prob the
     engine sampled it with, and a loss on the policy tokens sends exactly zero gradient to the tokens the
     policy did not write (tool responses, env frames)."""
-    from mmrl.actor import forward_logprobs, response_logits
     from mmrl.algorithms import logprobs_from_logits
+    from mmrl.training.actor import forward_logprobs, response_logits
 
     policy = batch["response_mask"].bool()
     observation = batch["response_attention"].bool() & ~policy

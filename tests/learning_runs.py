@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.data.synthetic import COLOURS, generate
+from mmrl.data.synthetic_video import generate_video
 from mmrl.models import DEFAULT_FAMILY
-from mmrl.synthetic import COLOURS, generate
-from mmrl.synthetic_video import generate_video
+from mmrl.run.logger import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,8 +64,8 @@ def game_task(root: Path) -> None:
 def zoom_task(root: Path) -> None:
     """The agent quickstart's rows: 512 training and 96 held-out scenes whose striped mark, at its one
     place, is legible only through `image_zoom`; chance is 1/3."""
+    from mmrl.data.synthetic_zoom import generate_zoom
     from mmrl.quickstart import ZOOM_DATA
-    from mmrl.synthetic_zoom import generate_zoom
 
     generate_zoom(root, **ZOOM_DATA)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import mixed_prompts
 
-from mmrl.actor import Actor, forward_logprobs
 from mmrl.config import ActorConfig
 from mmrl.models import load_policy, load_processor, never_generated_ids
 from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.training.actor import Actor, forward_logprobs
 
 
 def _reference_loss(model, batch, pad_id: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ def test_a_pathological_call_is_an_error_not_an_exception() -> None:
 def test_tools_are_described_even_by_a_template_that_ignores_them() -> None:
     """Some checkpoints' chat templates have no tools block: the tools then go into the system turn."""
     from mmrl.models.tiny import build_tokenizer
-    from processors import build_messages, encode_prompt
+    from mmrl.processors import build_messages, encode_prompt
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = tokenizer.chat_template.replace("{% if tools %}", "{% if false %}", 1)
@@ -242,7 +242,7 @@ def _prompts(tiny: Any, count: int) -> list[Any]:
 
 def _budget(model: Any) -> Any:
     from mmrl.models import family_of
-    from processors import PixelBudget
+    from mmrl.processors import PixelBudget
 
     grid = family_of(model).grid()
     return PixelBudget(112 * 112, 112 * 112, grid.patch, grid.merge, family_of(model).image_size_rule)
@@ -365,8 +365,8 @@ def test_the_example_user_tools_run_in_workers_with_the_trajectorys_images() -> 
 def test_the_agent_graders_read_the_turns() -> None:
     """zoom_hit: a zoom that happened, whose box holds the target's centre and is tight enough to enlarge
     it (a box around every place a target can be is no hit); answer_with_tool: right, and after a call."""
-    from rewards import RewardInput
-    from rewards.graders import GRADERS
+    from mmrl.rewards import RewardInput
+    from mmrl.rewards.graders import GRADERS
 
     crop = Image.new("RGB", (8, 8))
 

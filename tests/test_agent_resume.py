@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.data.synthetic_zoom import generate_zoom
 from mmrl.models import load_policy
-from mmrl.synthetic_zoom import generate_zoom
+from mmrl.run.logger import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_resume")]
 

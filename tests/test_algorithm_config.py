@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.config import ConfigError, load_config
-from mmrl.rollout.prompts import make_kl_controller
+from mmrl.sources.prompts import make_kl_controller
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 QUICKSTART = CONFIGS / "quickstart.yaml"

@@ -15,7 +15,7 @@ from mmrl.algorithms import (
     kl_reward_penalty,
     overlong_penalty,
 )
-from mmrl.batch import Batch, concat
+from mmrl.data.batch import Batch, concat
 
 
 def test_informative_groups_drops_all_equal_groups_and_singletons() -> None:

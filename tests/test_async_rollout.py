@@ -14,8 +14,8 @@ from helpers import OVERLAPPED, overlapped_config
 
 from mmrl.cli import main
 from mmrl.config import ConfigError, load_config
-from mmrl.logger import read_metrics
-from mmrl.synthetic import generate
+from mmrl.data.synthetic import generate
+from mmrl.run.logger import read_metrics
 from mmrl.trainer import Trainer
 from mmrl.workers.rollout import POLICY_VERSION
 

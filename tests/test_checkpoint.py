@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl import checkpoint as ckpt
 from mmrl.models import load_policy, load_processor
+from mmrl.run import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mmrl.cli import main
-from mmrl.data import PromptDataset, read_rows
+from mmrl.data.dataset import PromptDataset, read_rows
 from mmrl.models import load_policy, load_processor
-from processors import PixelBudget
+from mmrl.processors import PixelBudget
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 
@@ -152,7 +152,7 @@ def test_the_recipes_are_installed_with_the_package() -> None:
     """The wheel copies configs/ to where the resolver looks when it runs from an installed package."""
     import tomllib
 
-    from mmrl import recipes
+    from mmrl.config import recipes
 
     root = Path(CONFIG).parent.parent
     build = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]

@@ -9,17 +9,24 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrl import checkpoint as ckpt
 from mmrl.cli import main
 from mmrl.config import CriticConfig
-from mmrl.critic import Critic, ValueModel
-from mmrl.data import PromptSample
-from mmrl.logger import read_metrics
+from mmrl.data.dataset import PromptSample
+from mmrl.data.synthetic import generate
 from mmrl.models import load_policy, load_processor
-from mmrl.optim import plan_minibatches
+from mmrl.processors import (
+    PixelBudget,
+    build_messages,
+    encode_prompt,
+    fit_image,
+    num_image_tokens,
+    pixel_inputs,
+)
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.synthetic import generate
-from processors import PixelBudget, build_messages, encode_prompt, fit_image, num_image_tokens, pixel_inputs
+from mmrl.run import checkpoint as ckpt
+from mmrl.run.logger import read_metrics
+from mmrl.training.critic import Critic, ValueModel
+from mmrl.training.optim import plan_minibatches
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart_ppo.yaml")

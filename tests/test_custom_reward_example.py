@@ -15,8 +15,8 @@ from PIL import Image
 
 from mmrl.cli import build_parser
 from mmrl.config import load_config
-from mmrl.synthetic import BACKGROUND, TASKS
-from rewards import RewardInput, RewardManager
+from mmrl.data.synthetic import BACKGROUND, TASKS
+from mmrl.rewards import RewardInput, RewardManager
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_reward"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 
 FAST = [
     "trainer.val_every=0",

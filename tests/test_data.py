@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 
 from mmrl.config import ConfigError, DataConfig
-from mmrl.data import PromptDataset, read_rows
-from mmrl.loaders import PromptLoader, StreamLoader, make_loader
+from mmrl.data.dataset import PromptDataset, read_rows
+from mmrl.data.loaders import PromptLoader, StreamLoader, make_loader
+from mmrl.data.prefetch import PrefetchLoader
 from mmrl.models import load_processor
-from mmrl.prefetch import PrefetchLoader
-from processors import PixelBudget, num_image_tokens
+from mmrl.processors import PixelBudget, num_image_tokens
 
 # Exactly four 28x28 cells per image: 60x50 is resized to 56x56, 120x30 to 112x28; both 4 tokens.
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)

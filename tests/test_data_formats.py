@@ -16,10 +16,10 @@ from PIL import Image
 
 from mmrl.cli import main
 from mmrl.config import ConfigError, DataConfig
-from mmrl.data import PromptDataset
+from mmrl.data.dataset import PromptDataset
+from mmrl.data.rows import RowStream, read_rows, resolve_data
 from mmrl.models import load_processor
-from mmrl.rows import RowStream, read_rows, resolve_data
-from processors import PixelBudget
+from mmrl.processors import PixelBudget
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)  # every image becomes 4 image tokens
 TOKENS_PER_IMAGE = 4

@@ -20,12 +20,12 @@ import pytest
 from PIL import Image
 
 from mmrl.cli import main as mmrl_main
-from mmrl.data import PromptDataset, read_rows
+from mmrl.data.dataset import PromptDataset, read_rows
+from mmrl.data.synthetic_geometry import KINDS, generate_geometry, render, sqrt_text, times_pi
 from mmrl.models import load_processor
-from mmrl.synthetic_geometry import KINDS, generate_geometry, render, sqrt_text, times_pi
-from processors import PixelBudget
-from rewards.grounding import grounding_iou
-from rewards.types import RewardInput
+from mmrl.processors import PixelBudget
+from mmrl.rewards.grounding import grounding_iou
+from mmrl.rewards.types import RewardInput
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "examples" / "data"

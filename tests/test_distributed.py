@@ -18,20 +18,20 @@ import torch
 from helpers import tiny_vla_config
 from ray.cluster_utils import Cluster
 
-from mmrl import checkpoint as ckpt
-from mmrl.actor import build_actor, update_plan
 from mmrl.config import load_config
-from mmrl.critic import build_critic, critic_plan, value_model
+from mmrl.data.synthetic import generate
 from mmrl.errors import ResourceError, WorkerError
-from mmrl.logger import read_metrics
-from mmrl.lora import apply_lora, gather_shards, load_with_adapter
-from mmrl.micro_batches import deal, pack_rows, row_lengths
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams, cpu_shm
-from mmrl.rollout.prompts import build_datasets
 from mmrl.rollout.vllm import vllm_available
-from mmrl.synthetic import generate
+from mmrl.run import checkpoint as ckpt
+from mmrl.run.logger import read_metrics
+from mmrl.sources.prompts import build_datasets
 from mmrl.trainer import Trainer
+from mmrl.training.actor import build_actor, update_plan
+from mmrl.training.critic import build_critic, critic_plan, value_model
+from mmrl.training.lora import apply_lora, gather_shards, load_with_adapter
+from mmrl.training.micro_batches import deal, pack_rows, row_lengths
 from mmrl.workers.group import PolicyGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import envs
-from envs import Env, Info, make_env, register_env, registered_envs, registry
-from envs.base import NO_FRAME
-from envs.experts import collect_demos, expert_action, push_expert, scripted_expert
-from envs.mujoco_env import COLOURS, MujocoEnv
-from envs.push import PushEnv
-from envs.reach import TIP_SPEED, ReachEnv
+from mmrl import envs
+from mmrl.envs import Env, Info, make_env, register_env, registered_envs, registry
+from mmrl.envs.base import NO_FRAME
+from mmrl.envs.experts import collect_demos, expert_action, push_expert, scripted_expert
+from mmrl.envs.mujoco_env import COLOURS, MujocoEnv
+from mmrl.envs.push import PushEnv
+from mmrl.envs.reach import TIP_SPEED, ReachEnv
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = ("reach", "push")
@@ -75,7 +75,7 @@ def test_register_a_new_env_by_decorator_and_by_path(monkeypatch: pytest.MonkeyP
 
     assert make_env("test-reach-short", image_size=16).max_steps == 3
     with pytest.raises(ValueError, match="already registered"):
-        register_env("test-reach-short", "envs.reach:ReachEnv")
+        register_env("test-reach-short", "mmrl.envs.reach:ReachEnv")
     register_env("test-missing-sim", "no_such_simulator.adapter:Env")
     with pytest.raises(ImportError, match="install the simulator it needs"):
         make_env("test-missing-sim")
@@ -361,13 +361,15 @@ def run_python(code: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_egl_is_the_default_backend() -> None:
-    done = run_python("import os, envs; envs.make_env('reach').reset(seed=0); print(os.environ['MUJOCO_GL'])")
+    done = run_python(
+        "import os; from mmrl import envs; envs.make_env('reach').reset(seed=0); print(os.environ['MUJOCO_GL'])"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "egl"
 
 
 def test_a_backend_that_cannot_render_says_what_to_install() -> None:
-    done = run_python("import envs; envs.make_env('reach')", MUJOCO_GL="glfw", DISPLAY="")
+    done = run_python("from mmrl import envs; envs.make_env('reach')", MUJOCO_GL="glfw", DISPLAY="")
     assert done.returncode != 0
     assert "MUJOCO_GL=glfw" in done.stderr and "apt-get install libegl1" in done.stderr
 
@@ -377,7 +379,7 @@ def test_without_egl_it_falls_back_to_osmesa_with_a_warning() -> None:
     code = (
         "import ctypes.util, os, warnings\n"
         "ctypes.util.find_library = lambda name: 'libOSMesa.so.8' if name == 'OSMesa' else None\n"
-        "from envs.gl import load_mujoco\n"
+        "from mmrl.envs.gl import load_mujoco\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    try:\n"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from envs.actions import ActionStats, ActionTokenizer, InvalidAction
+from mmrl.envs.actions import ActionStats, ActionTokenizer, InvalidAction
 
 
 @pytest.mark.parametrize("n_bins", [256, 7])

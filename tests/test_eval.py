@@ -7,9 +7,9 @@ import json
 import pytest
 
 from mmrl.cli import main
-from mmrl.evaluate import pass_at_k, resolve_checkpoint
-from mmrl.logger import read_metrics
-from mmrl.synthetic import generate
+from mmrl.data.synthetic import generate
+from mmrl.evaluate.prompts import pass_at_k, resolve_checkpoint
+from mmrl.run.logger import read_metrics
 
 SCRAMBLE = "def scramble(sample):\n    return (sum(map(ord, sample.response)) * 7919 % 101) / 100\n"
 

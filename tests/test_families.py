@@ -15,7 +15,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from mmrl.cli import main
 from mmrl.config import LoraConfig
-from mmrl.lora import apply_lora
 from mmrl.models import (
     FAMILIES,
     UnsupportedModelError,
@@ -25,6 +24,7 @@ from mmrl.models import (
     load_processor,
     model_folder,
 )
+from mmrl.training.lora import apply_lora
 
 FAMILY_NAMES = sorted({f.name for f in FAMILIES.values()})
 REPO = Path(__file__).resolve().parents[1]

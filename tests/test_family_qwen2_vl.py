@@ -21,15 +21,15 @@ from family_cases import (
 )
 from safetensors import safe_open
 
-from mmrl.actor import forward_logprobs
-from mmrl.data import PromptSample
+from mmrl.data.dataset import PromptSample
 from mmrl.models import family_of, load_policy, load_processor
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
+from mmrl.processors import TRANSFORMERS_RULE, PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad, vision_inputs
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
-from processors import TRANSFORMERS_RULE, PositionRule
+from mmrl.training.actor import forward_logprobs
 
 # 28 px video frames: 2 x 2 patches, one merged token per temporal patch, so a clip's time ids (one per
 # two frames) outrun its 1 x 1 grid and the engines' rules for the text after it part.

@@ -30,15 +30,15 @@ from family_cases import (
 from safetensors import safe_open
 from transformers import AutoProcessor
 
-from mmrl.actor import forward_logprobs
-from mmrl.batch import Batch
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import family_of, load_policy, load_processor
+from mmrl.processors import PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.hf import left_pad
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names
-from processors import PositionRule
+from mmrl.training.actor import forward_logprobs
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 # 32 px video frames: 2 x 2 patches, one merged token per temporal patch.

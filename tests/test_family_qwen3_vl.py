@@ -26,17 +26,12 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoProcessor
 
-from mmrl.actor import forward_logprobs
-from mmrl.batch import Batch
 from mmrl.config import ActorConfig
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import Family, family_of, load_policy, load_processor, save_model
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
-from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad
-from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
-from processors import (
+from mmrl.processors import (
     PixelBudget,
     PositionRule,
     fit_image,
@@ -44,6 +39,11 @@ from processors import (
     pixel_inputs,
     read_video,
 )
+from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.rollout.base import POSITION_RULE
+from mmrl.rollout.hf import left_pad
+from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
+from mmrl.training.actor import forward_logprobs
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]
 # 32 px video frames: 2 x 2 patches, one merged token per temporal patch.

@@ -8,8 +8,8 @@ import pytest
 from family_cases import CPU_OVERRIDES
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
-from mmrl.synthetic_geometry import generate_geometry
+from mmrl.data.synthetic_geometry import generate_geometry
+from mmrl.run.logger import read_metrics
 
 
 @pytest.mark.slow

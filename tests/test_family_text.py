@@ -19,14 +19,14 @@ from family_cases import (
     vllm_only,
 )
 
-from mmrl.actor import Actor, forward_logprobs
 from mmrl.config import ActorConfig, ConfigError, load_config
-from mmrl.data import PromptSample
+from mmrl.data.dataset import PromptSample
 from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
-from mmrl.optim import plan_minibatches
+from mmrl.processors import build_messages, encode_prompt
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError
-from processors import build_messages, encode_prompt
+from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.optim import plan_minibatches
 
 QUESTIONS = [
     "What is 3 + 4?",
@@ -110,7 +110,7 @@ def _math_config(tmp_path, text_dir, rows: list[dict]) -> object:
 
 
 def test_text_datasets_use_the_tokenizer_and_refuse_media_rows_up_front(tmp_path, text_dir, model, tokenizer):
-    from mmrl.rollout.prompts import build_datasets
+    from mmrl.sources.prompts import build_datasets
 
     rows = [
         {"problem": f"Tom has {i} apples and buys 2 more. How many?", "answer": str(i + 2)} for i in range(4)
@@ -212,7 +212,7 @@ def test_the_qwen3_math_recipe_runs_two_steps_on_cpu(tmp_path, text_dir) -> None
     """configs/qwen3_math.yaml as written, with the tiny text model and only the overrides a CPU-sized
     run needs (paths, batch sizes, lengths, one process instead of a GPU node)."""
     from mmrl.cli import main
-    from mmrl.logger import read_metrics
+    from mmrl.run.logger import read_metrics
 
     data = _word_problems(tmp_path / "math")
     run = tmp_path / "run"

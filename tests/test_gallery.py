@@ -6,7 +6,7 @@ import re
 
 from PIL import Image
 
-from mmrl.gallery import GalleryItem, write_gallery
+from mmrl.run.gallery import GalleryItem, write_gallery
 
 
 def _items() -> list[GalleryItem]:

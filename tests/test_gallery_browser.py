@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl.gallery import GalleryItem, write_gallery
+from mmrl.run.gallery import GalleryItem, write_gallery
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(

@@ -15,13 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from envs.gridnav import GridNavEnv, gridnav_expert
 from mmrl.agent import AgentEngine, AgentLimits
 from mmrl.agent.game import GameResponder, parse_move, write_game_rows
 from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
-from mmrl.data import PromptSample, with_pixels
+from mmrl.data.dataset import PromptSample, with_pixels
+from mmrl.envs.gridnav import GridNavEnv, gridnav_expert
+from mmrl.processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
 from mmrl.rollout import SamplingParams
-from processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
 
 OPTIONS = {"image_size": 56, "size": 3, "walls": 0, "max_steps": 6, "view": "agent"}
 BUDGET = PixelBudget(56 * 56, 56 * 56)
@@ -182,8 +182,8 @@ def test_trainer_logprobs_over_a_played_episode_equal_the_engines_and_frames_get
 
 
 def test_the_game_graders_read_the_episode_and_refuse_rows_without_one() -> None:
-    from rewards import RewardInput
-    from rewards.graders import GRADERS
+    from mmrl.rewards import RewardInput
+    from mmrl.rewards.graders import GRADERS
 
     played = RewardInput("up", "success", extra={"env_success": 1.0, "env_return": 0.6})
     assert GRADERS["env_success"](played) == 1.0 and GRADERS["env_return"](played) == 0.6
@@ -286,8 +286,8 @@ def test_a_game_run_trains_with_gigpo_after_an_expert_warmup(tmp_path: Path) -> 
     """`mmrl quickstart --task game` end to end at a tiny size: the expert warm-up, two GiGPO steps and
     a validation, with the episodes' outcomes in the step metrics. After 30 warm-up steps some episodes
     are won and some lost, so the policy loss is not zero."""
-    from mmrl.logger import read_metrics
     from mmrl.quickstart import run_quickstart
+    from mmrl.run.logger import read_metrics
 
     out = tmp_path / "game"
     overrides = [

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.data.synthetic_geometry import generate_geometry
 from mmrl.rollout.vllm import vllm_available
-from mmrl.synthetic_geometry import generate_geometry
+from mmrl.run.logger import read_metrics
 
 CPU_OVERRIDES = [
     "trainer.device=cpu",

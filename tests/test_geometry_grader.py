@@ -12,9 +12,9 @@ from types import FrameType
 
 import pytest
 
-import rewards.geometry as geometry_module
-from rewards import GRADERS, RewardInput, RewardManager, extract_answer
-from rewards.geometry import geometry
+import mmrl.rewards.geometry as geometry_module
+from mmrl.rewards import GRADERS, RewardInput, RewardManager, extract_answer
+from mmrl.rewards.geometry import geometry
 
 ABCD = ["3", "4", "5", "6"]
 ROOTS = [r"2\sqrt{3}", r"3\sqrt{2}", r"4\sqrt{3}", "6"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envs import make_env
-from envs.experts import collect_demos, expert_action
-from envs.gridnav import MOVES, GridNavEnv, action_move, gridnav_expert
+from mmrl.envs import make_env
+from mmrl.envs.experts import collect_demos, expert_action
+from mmrl.envs.gridnav import MOVES, GridNavEnv, action_move, gridnav_expert
 
 ACTION = {"up": [0.0, -1.0], "down": [0.0, 1.0], "left": [-1.0, 0.0], "right": [1.0, 0.0], None: [0.1, -0.2]}
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from processors.image import PixelBudget, smart_size
-from rewards import GRADERS, ImageSize, RewardInput, RewardManager
-from rewards.boxes import Box, iou, match_ious, parse_ground_truth, parse_response
-from rewards.grounding import (
+from mmrl.processors.image import PixelBudget, smart_size
+from mmrl.rewards import GRADERS, ImageSize, RewardInput, RewardManager
+from mmrl.rewards.boxes import Box, iou, match_ious, parse_ground_truth, parse_response
+from mmrl.rewards.grounding import (
     format_json_box,
     grounding_iou,
     grounding_iou_threshold,

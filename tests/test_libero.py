@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from envs import make_env, registered_envs
-from envs.libero import LiberoEnv
+from mmrl.envs import make_env, registered_envs
+from mmrl.envs.libero import LiberoEnv
 
 pytestmark = pytest.mark.slow  # building a LIBERO scene takes 10-20 s on a CPU
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmrl import checkpoint as ckpt
 from mmrl.cli import main
 from mmrl.config import LoraConfig, load_config
-from mmrl.logger import read_metrics
-from mmrl.lora import apply_lora, load_with_adapter
+from mmrl.data.synthetic import generate
 from mmrl.models import load_policy
 from mmrl.rollout.vllm import vllm_available
-from mmrl.synthetic import generate
+from mmrl.run import checkpoint as ckpt
+from mmrl.run.logger import read_metrics
 from mmrl.trainer import Trainer
+from mmrl.training.lora import apply_lora, load_with_adapter
 
 SCRAMBLE = "def scramble(sample):\n    return (sum(map(ord, sample.response)) * 7919 % 101) / 100\n"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envs import make_env, registered_envs
-from envs.experts import collect_demos
-from envs.metaworld import INSTRUCTIONS, MetaWorldEnv, metaworld_expert
+from mmrl.envs import make_env, registered_envs
+from mmrl.envs.experts import collect_demos
+from mmrl.envs.metaworld import INSTRUCTIONS, MetaWorldEnv, metaworld_expert
 
 
 @pytest.fixture(scope="module")

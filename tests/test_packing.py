@@ -1,4 +1,4 @@
-"""Padding-free packed forwards (`actor.padding_free`, `mmrl.packing`) give the padded path's log-probs
+"""Padding-free packed forwards (`actor.padding_free`, `mmrl.training.packing`) give the padded path's log-probs
 and gradients on every family that can pack: rows with images, videos, text only and a mixed batch,
 with responses of different lengths (one of them empty, as a truncated row's mask is). Qwen3.5's
 recurrent layers cannot keep packed rows apart on transformers' PyTorch kernels, so it refuses."""
@@ -11,15 +11,15 @@ import pytest
 import torch
 from family_cases import media_at
 
-from mmrl.actor import Actor, build_actor, forward_logprobs
-from mmrl.batch import Batch
 from mmrl.config import ActorConfig, Config, ConfigError, CriticConfig
-from mmrl.critic import Critic, ValueModel
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
-from mmrl.optim import plan_minibatches
-from mmrl.packing import pack
-from processors import build_messages, encode_prompt
+from mmrl.processors import build_messages, encode_prompt
+from mmrl.training.actor import Actor, build_actor, forward_logprobs
+from mmrl.training.critic import Critic, ValueModel
+from mmrl.training.optim import plan_minibatches
+from mmrl.training.packing import pack
 
 VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 CASES = {"images": ["image", "images"], "video": ["video"], "text": ["text"], "mixed": None}
@@ -91,7 +91,7 @@ def test_the_switch_reaches_the_actor_reference_and_critic_forwards(tiny_family_
     batch.set(advantages=torch.linspace(-1, 1, len(batch))[:, None].expand(-1, WIDTH).clone())
     pad_id = processor.tokenizer.pad_token_id
     packs: list[int] = []
-    monkeypatch.setattr("mmrl.actor.pack", lambda *args: packs.append(1) or pack(*args))
+    monkeypatch.setattr("mmrl.training.actor.pack", lambda *args: packs.append(1) or pack(*args))
     seen = {}
     for padding_free in (False, True):
         policy = load_policy(tiny_family_dir("qwen2_5_vl"))
@@ -164,7 +164,7 @@ def test_packing_on_a_cpu_says_padded_is_faster_there(tiny_model_dir, caplog) ->
     model = load_policy(tiny_model_dir)
     pad_id = tokenizer_of(load_processor(tiny_model_dir)).pad_token_id
     settings = {"model": {"path": "tiny"}, "data": {"train_files": ["rows.jsonl"]}}
-    with caplog.at_level("WARNING", logger="mmrl.actor"):
+    with caplog.at_level("WARNING", logger="mmrl.training.actor"):
         build_actor(Config.model_validate(settings), model, pad_id, torch.float32)
         assert not caplog.records
         actor = build_actor(

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from mmrl.models import load_policy, load_processor
-from processors import (
+from mmrl.processors import (
     ImageError,
     PixelBudget,
     build_messages,

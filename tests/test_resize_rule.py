@@ -14,10 +14,10 @@ import pytest
 from PIL import Image
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from mmrl.data import PromptDataset, PromptSample, image_budget
+from mmrl.data.dataset import PromptDataset, PromptSample, image_budget
+from mmrl.data.synthetic_video import write_mp4
 from mmrl.models import FAMILIES, family_of, load_config, load_processor
-from mmrl.synthetic_video import write_mp4
-from processors import (
+from mmrl.processors import (
     ImageError,
     PixelBudget,
     VideoBudget,

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from mmrl import checkpoint as ckpt
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.data.synthetic import generate
 from mmrl.models import load_policy
-from mmrl.synthetic import generate
+from mmrl.run import checkpoint as ckpt
+from mmrl.run.logger import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]  # one worker shares the runs
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.cli import main
-from mmrl.synthetic import generate
+from mmrl.data.synthetic import generate
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 

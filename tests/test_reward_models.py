@@ -11,7 +11,8 @@ from PIL import Image
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from mmrl.models import build_tokenizer, load_processor
-from mmrl.reward_models import (
+from mmrl.rewards import RewardInput, RewardManager
+from mmrl.sources.reward_models import (
     GenerativeJudge,
     TextRewardModel,
     VisionRewardModel,
@@ -19,7 +20,6 @@ from mmrl.reward_models import (
     parse_verdict,
     prompt_sample,
 )
-from rewards import RewardInput, RewardManager
 
 RED, BLUE = Image.new("RGB", (56, 56), (220, 20, 20)), Image.new("RGB", (56, 84), (20, 20, 220))
 

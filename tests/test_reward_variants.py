@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 
 from mmrl.config import RewardFunctionConfig
-from rewards import RewardInput, RewardManager, RewardResult
+from mmrl.rewards import RewardInput, RewardManager, RewardResult
 
 Isolation = Literal["inline", "process"]
 

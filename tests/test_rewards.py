@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rewards import (
+from mmrl.rewards import (
     GRADERS,
     RewardInput,
     RewardManager,
@@ -23,7 +23,7 @@ from rewards import (
     load_reward_function,
     register_grader,
 )
-from rewards.graders import normalize_answer
+from mmrl.rewards.graders import normalize_answer
 
 # A user reward file: `flaky` misbehaves on demand, so one batch can exercise every failure kind.
 FLAKY_REWARDS = """

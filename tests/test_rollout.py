@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import mixed_prompts
 
-from mmrl.actor import forward_logprobs
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.training.actor import forward_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from mmrl.config import ActorConfig
-from mmrl.optim import lr_factor
+from mmrl.training.optim import lr_factor
 
 
 def test_warmup_is_linear_then_constant() -> None:

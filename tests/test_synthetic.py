@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl import synthetic
-from mmrl.synthetic import BACKGROUND, COLOURS, NOISE, NUMBERS, TASKS, generate
+from mmrl.data.dataset import synthetic
+from mmrl.data.synthetic import BACKGROUND, COLOURS, NOISE, NUMBERS, TASKS, generate
 
 
 def _records(out_dir: Path, split: str) -> list[dict[str, Any]]:
@@ -236,8 +236,8 @@ def test_the_zoom_tasks_mark_is_grey_at_the_policys_budget_and_its_stripes_wide_
     """The zoom task's premise: without the tool every answer looks alike; zoomed onto the mark's place
     (`boxes`, what the warm-up draws from) the stripes are several pixels wide, in their pure colours."""
     from mmrl.agent import SeenImage, image_zoom
-    from mmrl.synthetic_zoom import ANSWERS, MARK, PAIRS, boxes, draw
-    from processors import PixelBudget, fit_image
+    from mmrl.data.synthetic_zoom import ANSWERS, MARK, PAIRS, boxes, draw
+    from mmrl.processors import PixelBudget, fit_image
 
     budget = PixelBudget(112 * 112, 112 * 112)
     rng = np.random.default_rng(0)
@@ -268,8 +268,8 @@ def test_the_zoom_tasks_stripes_reach_the_zoomed_view_in_one_phase_whatever_the_
     """Where every jittered mark covers the crop, scenes of one answer zoom to the same pixels: the tower
     meets one pattern per colour pair (with a flipping phase the tiny model never learned to read it)."""
     from mmrl.agent import SeenImage, image_zoom
-    from mmrl.synthetic_zoom import ANSWERS, JITTER, MARK, boxes, draw
-    from processors import PixelBudget, fit_image
+    from mmrl.data.synthetic_zoom import ANSWERS, JITTER, MARK, boxes, draw
+    from mmrl.processors import PixelBudget, fit_image
 
     budget = PixelBudget(112 * 112, 112 * 112)
     rng = np.random.default_rng(0)
@@ -291,8 +291,8 @@ def test_the_zoom_tasks_stripes_reach_the_zoomed_view_in_one_phase_whatever_the_
 def test_the_two_place_zoom_task_shows_its_mark_inside_one_patch_of_the_policys_view() -> None:
     """Two places sit on 14-px patch centres, so the mark darkens one patch the vision tower reads by tens
     of grey levels, where a mark on a patch corner (the quadrants' centres) spreads a dent of a few over four."""
-    from mmrl.synthetic_zoom import draw
-    from processors import PixelBudget, fit_image
+    from mmrl.data.synthetic_zoom import draw
+    from mmrl.processors import PixelBudget, fit_image
 
     budget = PixelBudget(112 * 112, 112 * 112)
     rng = np.random.default_rng(0)

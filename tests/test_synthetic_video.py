@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from mmrl.cli import main
-from mmrl.synthetic import COLOURS
-from processors.video import VideoBudget, read_video
+from mmrl.data.synthetic import COLOURS
+from mmrl.processors.video import VideoBudget, read_video
 
 BUDGET = VideoBudget(fps=2.0, max_frames=4, min_pixels=12544, max_pixels=12544, max_total_pixels=50176)
 

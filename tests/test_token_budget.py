@@ -11,15 +11,22 @@ import pytest
 import torch
 from helpers import mixed_prompts
 
-from mmrl import micro_batches
-from mmrl.actor import Actor
 from mmrl.algorithms.aggregation import LOSS_AGG_MODES
 from mmrl.config import ActorConfig, CriticConfig
-from mmrl.critic import Critic, ValueModel
-from mmrl.micro_batches import deal, micro_layout, padded_tokens, rank_rows, row_lengths, worker_layouts
 from mmrl.models import load_policy, load_processor
-from mmrl.optim import plan_minibatches
 from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.training import micro_batches
+from mmrl.training.actor import Actor
+from mmrl.training.critic import Critic, ValueModel
+from mmrl.training.micro_batches import (
+    deal,
+    micro_layout,
+    padded_tokens,
+    rank_rows,
+    row_lengths,
+    worker_layouts,
+)
+from mmrl.training.optim import plan_minibatches
 
 HORIZON = 8
 DTYPE = torch.float64  # fp32 rounding alone moves a gradient by ~5e-7 when rows are regrouped
@@ -72,7 +79,7 @@ def test_a_worker_with_fewer_forwards_splits_its_largest_then_runs_blanks() -> N
 def test_a_row_over_the_budget_runs_alone_with_one_warning(monkeypatch, caplog) -> None:
     monkeypatch.setattr(micro_batches, "_warned_oversized", False)
     lengths = [(50, 60), (5, 5), (5, 5)]
-    with caplog.at_level(logging.WARNING, logger="mmrl.micro_batches"):
+    with caplog.at_level(logging.WARNING, logger="mmrl.training.micro_batches"):
         for _ in range(2):
             assert worker_layouts(lengths, 1, max_tokens=100) == [[[0], [1, 2]]]
     assert len(caplog.records) == 1 and "110 tokens" in caplog.messages[0]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from mmrl.config import ConfigError
-from mmrl.logger import MetricsLogger
+from mmrl.run.logger import MetricsLogger
 
 
 class StandIn:

@@ -8,7 +8,7 @@ from pathlib import Path
 from PIL import Image
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 
 FAST = [
     "trainer.total_steps=2",

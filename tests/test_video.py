@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from mmrl.models import load_policy, load_processor
-from processors import (
+from mmrl.processors import (
     PixelBudget,
     VideoBudget,
     VideoError,
@@ -32,7 +32,7 @@ from processors import (
     video_grid_thw,
     video_pixel_inputs,
 )
-from processors import video as video_module
+from mmrl.processors import video as video_module
 
 BUDGET = VideoBudget(
     fps=2.0, max_frames=8, min_pixels=28 * 28, max_pixels=56 * 84, max_total_pixels=8 * 56 * 84

@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import mixed_media_dataset, update_once
 
-from mmrl.actor import forward_logprobs
 from mmrl.config import load_config
+from mmrl.data.synthetic_video import QUESTION, generate_video
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.rollout.prompts import build_datasets
-from mmrl.synthetic_video import QUESTION, generate_video
+from mmrl.sources.prompts import build_datasets
+from mmrl.training.actor import forward_logprobs
 
 
 @pytest.fixture

@@ -12,26 +12,26 @@ import torch
 from helpers import tiny_vla_config
 from PIL import Image
 
-from envs import make_env
-from envs.actions import ActionStats, ActionTokenizer
-from envs.experts import Demo
-from envs.vector import LocalEnvs
-from mmrl.actor import forward_logprobs
 from mmrl.algorithms import get_advantage_estimator
-from mmrl.batch import Batch
 from mmrl.config import ConfigError, SftConfig, load_config
+from mmrl.data.batch import Batch
+from mmrl.envs import make_env
+from mmrl.envs.actions import ActionStats, ActionTokenizer
+from mmrl.envs.experts import Demo
+from mmrl.envs.vector import LocalEnvs
 from mmrl.models import ACTION_TOKENS, load_policy, load_processor
+from mmrl.processors import PixelBudget
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
-from mmrl.supervised import supervised_step
+from mmrl.sources.episodes import episode_advantages, step_advantages, train_seeds
 from mmrl.trainer import Trainer
+from mmrl.training.actor import forward_logprobs
+from mmrl.training.supervised import supervised_step
 from mmrl.vla import sft as sft_module
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts, frame_history
 from mmrl.vla.sft import behaviour_clone, demo_steps, label_prior_loss, loss_curve
-from mmrl.vla.source import episode_advantages, step_advantages, train_seeds
-from processors import PixelBudget
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
 

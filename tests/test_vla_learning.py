@@ -18,8 +18,8 @@ import pytest
 from learning_runs import REPO, RUNS, train, validations
 
 from mmrl.config import load_config
+from mmrl.evaluate.episodes import evaluate_episodes
 from mmrl.models import build_tiny
-from mmrl.vla.evaluate import evaluate_episodes
 
 pytestmark = pytest.mark.slow
 

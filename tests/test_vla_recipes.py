@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from learning_runs import REPO, validations
 
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.recipe]
 

@@ -26,18 +26,12 @@ from helpers import (
 )
 from PIL import Image
 
-from mmrl.actor import Actor, forward_logprobs
 from mmrl.cli import main
 from mmrl.config import ActorConfig, VLLMConfig
-from mmrl.data import PromptSample
-from mmrl.logger import read_metrics
+from mmrl.data.dataset import PromptSample
+from mmrl.data.synthetic import generate
 from mmrl.models import load_policy, load_processor
-from mmrl.optim import plan_minibatches
-from mmrl.rollout import HFEngine, SamplingParams, resolve_engine
-from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
-from mmrl.synthetic import generate
-from processors import (
+from mmrl.processors import (
     TRANSFORMERS_RULE,
     PositionRule,
     build_messages,
@@ -47,6 +41,12 @@ from processors import (
     num_image_tokens,
     pixel_inputs,
 )
+from mmrl.rollout import HFEngine, SamplingParams, resolve_engine
+from mmrl.rollout.base import POSITION_RULE
+from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
+from mmrl.run.logger import read_metrics
+from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.optim import plan_minibatches
 
 pytestmark = [
     pytest.mark.slow,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from mmrl.synthetic import BACKGROUND, COLOURS
-from rewards import RewardInput, extract_answer
+from mmrl.data.synthetic import BACKGROUND, COLOURS
+from mmrl.rewards import RewardInput, extract_answer
 
 # The background first, then the synthetic task's palette: every pixel is labelled with the nearest one.
 _REFERENCES = np.array([BACKGROUND, *COLOURS.values()], dtype=np.float32)

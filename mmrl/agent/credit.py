@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mmrl.agent.game import STATES
-from mmrl.batch import Batch
+from mmrl.data.batch import Batch
 
 
 def turn_spans(policy: torch.Tensor) -> list[tuple[int, int]]:

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from envs.base import Env
-from envs.experts import expert_action
-from envs.registry import make_env
 from mmrl.agent.loop import Reply, Trajectory
 from mmrl.agent.warmup import Script
-from processors.chat import user_turn_text
+from mmrl.envs.base import Env
+from mmrl.envs.experts import expert_action
+from mmrl.envs.registry import make_env
+from mmrl.processors.chat import user_turn_text
 
 GAME_OUTCOMES = ("env_return", "env_success", "env_steps", "env_invalid")  # each trajectory's `extra`
 STATES = "env_states"  # in `extra`: the state each move was chosen in, for turn-level credit (GiGPO)
@@ -84,7 +84,7 @@ def write_game_rows(
 
 
 class ExpertScript(Script):
-    """A warm-up trajectory whose {move}s are the task's scripted expert's (`envs.experts`), with action
+    """A warm-up trajectory whose {move}s are the task's scripted expert's (`mmrl.envs.experts`), with action
     noise: a behaviour-cloning start for a game. The script plays its own copy of the trajectory's env,
     which stays in step with the responder's: both start from the row's seed and take the same moves."""
 

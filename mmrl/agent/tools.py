@@ -5,7 +5,7 @@ A tool is a built-in (`image_zoom`, `calculator`) or a plain function in a Pytho
 call gets a result: what the tool returned, or an error observation saying what was wrong (a malformed
 call, an unknown tool, arguments that do not fit the schema or that the tool refused, an exception, a
 hang past `timeout_s`, a result that is neither text nor an image). Failures are counted per tool and
-kind. Functions from files run in the reward layer's worker processes (`rewards.pool`), so one that
+kind. Functions from files run in the reward layer's worker processes (`mmrl.rewards.pool`), so one that
 hangs or kills its interpreter costs one call; built-ins are trusted and run in-process.
 """
 
@@ -22,9 +22,9 @@ from PIL import Image
 
 from mmrl.agent.builtin import BUILTIN_TOOLS, SeenImage, ToolError
 from mmrl.agent.calls import CallError, ToolCall
-from rewards.loader import load_file_function
-from rewards.outcome import Outcome
-from rewards.pool import RemoteFunction, WorkerPool
+from mmrl.rewards.loader import load_file_function
+from mmrl.rewards.outcome import Outcome
+from mmrl.rewards.pool import RemoteFunction, WorkerPool
 
 # What a call comes back as: text and images, in order.
 Result = list[str | Image.Image]
@@ -133,7 +133,7 @@ class ToolRequest:
 
 class ToolRunner:
     """The configured tools loaded, called one request at a time with every failure turned into an
-    `Outcome`: a `rewards.pool` worker's callable, and the in-process runner of the built-ins."""
+    `Outcome`: a `mmrl.rewards.pool` worker's callable, and the in-process runner of the built-ins."""
 
     is_async = False
 

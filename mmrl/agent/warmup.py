@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from mmrl.agent.loop import AgentEngine
-from mmrl.batch import Batch, right_pad
 from mmrl.config import WarmupConfig
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch, right_pad
+from mmrl.data.dataset import PromptSample
 from mmrl.rollout.base import SamplingParams
-from mmrl.supervised import supervised_batch_step
+from mmrl.training.supervised import supervised_batch_step
 
 SCRIPT = "warmup_script"  # a warm-up prompt's `extra` key: the assistant turns it is answered with
 

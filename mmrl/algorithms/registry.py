@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rewards.loader import import_file
+from mmrl.rewards.loader import import_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 

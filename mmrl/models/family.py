@@ -22,7 +22,7 @@ from packaging.version import Version
 from torch import nn
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from processors import (
+from mmrl.processors import (
     TRANSFORMERS_RULE,
     FrameRule,
     PositionRule,
@@ -211,7 +211,7 @@ class Family:
         """Last hidden states of the model's own forward, with the media encoded beforehand
         (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path.
         A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss.
-        No `attention` for packed rows (`mmrl.packing`): the positions keep the sequences apart."""
+        No `attention` for packed rows (`mmrl.training.packing`): the positions keep the sequences apart."""
         extra = {"output_router_logits": True} if router_losses is not None else {}
         if media and not _takes_encoded_media():
             # Older versions take **kwargs and drop the encoded media without a word: the policy

@@ -3,7 +3,7 @@
 Qwen2-VL's mRoPE has no `second_per_grid_ts` scaling: a video's time ids are its temporal patch
 indices 0..t-1 whatever the clip's frame rate, in transformers (`get_rope_index`) and in vLLM 0.32
 (its Qwen2-VL processor emits no seconds field, so its time factor is 1). The text after an image
-or video still resumes where each engine's rule says (`processors.rope`): transformers at
+or video still resumes where each engine's rule says (`mmrl.processors.rope`): transformers at
 max(h, w) / merge after the block's start, vLLM at 1 + the block's largest id (time axis included).
 """
 

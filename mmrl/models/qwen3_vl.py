@@ -33,8 +33,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from mmrl.models.family import Family, register
 from mmrl.models.qwen2_5_vl import media_ids, tiny_text
-from processors import Video, VideoBudget
-from processors import timestamped_video_text as _timestamped_video_text
+from mmrl.processors import Video, VideoBudget
+from mmrl.processors import timestamped_video_text as _timestamped_video_text
 
 
 def frame_grids(video_grid_thw: torch.Tensor) -> torch.Tensor:

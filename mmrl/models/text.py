@@ -3,7 +3,7 @@
 No vision tower and no mRoPE: one position id per attended token (the attention mask's running
 count minus one, 0 on padding), which is what `generate` gives a left-padded prompt and what vLLM
 gives a prompt without padding, so the trainer's log-probs are of the positions either engine
-sampled at. Datasets for these models hold text rows only (`mmrl.rollout.prompts.build_datasets` refuses
+sampled at. Datasets for these models hold text rows only (`mmrl.sources.prompts.build_datasets` refuses
 images and videos up front).
 """
 
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from mmrl.config import ConfigError
 from mmrl.models.family import Family, Grid, register
 from mmrl.models.qwen2_5_vl import tiny_text
-from processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget
+from mmrl.processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget
 
 
 @register

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mmrl.batch import Batch
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 
 POSITION_RULE = "position_rule"  # batch list column: the `processors.PositionRule` each row was sampled under
 

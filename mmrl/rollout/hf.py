@@ -8,8 +8,8 @@ import torch
 from transformers import GenerationConfig
 
 from mmrl.algorithms import block_tokens, logprobs_from_logits
-from mmrl.batch import Batch
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import autocast_for, family_of, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import SamplingParams
 

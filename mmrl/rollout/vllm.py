@@ -11,9 +11,9 @@ metadata and processor options that make vLLM neither resample nor resize them. 
 counts equal the trainer's; the first batches with images and with videos check this instead of
 assuming it.
 
-vLLM lays out mRoPE ids after a video differently from transformers (`processors.rope`), so every
+vLLM lays out mRoPE ids after a video differently from transformers (`mmrl.processors.rope`), so every
 returned row carries the engine's `PositionRule` and the trainer computes log-probs at vLLM's
-positions (`mmrl.actor.response_hidden`).
+positions (`mmrl.training.actor.response_hidden`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from typing import Any
 import torch
 
 from mmrl.algorithms import BLOCKED_LOGIT
-from mmrl.batch import Batch
 from mmrl.config import VLLMConfig
-from mmrl.data import PromptSample
-from mmrl.lora import merged_state
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import family_of, model_folder, never_generated_ids, tokenizer_of
+from mmrl.processors import PositionRule, Video, keep_frames_kwargs
 from mmrl.rollout import cpu_shm
 from mmrl.rollout.base import POSITION_RULE, SamplingParams
-from processors import PositionRule, Video, keep_frames_kwargs
+from mmrl.training.lora import merged_state
 
 log = logging.getLogger("mmrl.rollout.vllm")
 
@@ -326,7 +326,7 @@ class VLLMEngine:
     def verify(self, tolerance: float | None = None) -> float:
         """Max |log-prob difference| between vLLM and the trainer's forward on a short sampled probe;
         raises WeightSyncError above `tolerance` (fp32 1e-3, lower precisions 0.1 by default)."""
-        from mmrl.actor import forward_logprobs
+        from mmrl.training.actor import forward_logprobs
 
         tolerance = tolerance or (1e-3 if self.compute_dtype == torch.float32 else 0.1)
         text = self.tokenizer.apply_chat_template(

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from envs.actions import ActionTokenizer, InvalidAction
-from envs.vector import VectorEnv
-from mmrl.batch import Batch, concat
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch, concat
+from mmrl.data.dataset import PromptSample
+from mmrl.envs.actions import ActionTokenizer, InvalidAction
+from mmrl.envs.vector import VectorEnv
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.base import RolloutEngine
 from mmrl.vla.observations import ObservationPrompts

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from envs.base import Obs
-from mmrl.data import PromptSample
-from processors import (
+from mmrl.data.dataset import PromptSample
+from mmrl.envs.base import Obs
+from mmrl.processors import (
     PixelBudget,
     build_messages,
     encode_prompt,
@@ -22,7 +22,7 @@ from processors import (
     num_image_tokens,
     pixel_inputs,
 )
-from rewards import ImageSize
+from mmrl.rewards import ImageSize
 
 
 def frame_history(frames: Sequence[np.ndarray], t: int, k: int) -> list[np.ndarray]:

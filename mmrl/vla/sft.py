@@ -1,6 +1,6 @@
 """`mmrl sft`: behaviour-clone a VLM on a scripted expert's noisy demos, the usual start of VLA RL.
 
-The expert is deliberately imperfect (`envs.experts`), so the cloned policy succeeds sometimes and RL
+The expert is deliberately imperfect (`mmrl.envs.experts`), so the cloned policy succeeds sometimes and RL
 has room to improve it. The output folder is a plain model folder plus `action_tokenizer.json`,
 the bins and q01/q99 statistics the policy was taught with; `mmrl train` and `mmrl eval` read it.
 """
@@ -17,16 +17,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoConfig
 
-from envs.actions import ActionStats, ActionTokenizer
 from mmrl.config import Config, SftConfig
-from mmrl.data import image_budget
+from mmrl.data.dataset import image_budget
+from mmrl.envs.actions import ActionStats, ActionTokenizer
 from mmrl.models import ACTION_TOKENS, load_policy, load_processor, save_model
-from mmrl.optim import make_optimizer
-from mmrl.supervised import supervised_step
+from mmrl.training.optim import make_optimizer
+from mmrl.training.supervised import supervised_step
 from mmrl.vla.observations import ObservationPrompts, frame_history
 
 if TYPE_CHECKING:  # the experts import MuJoCo, which only `mmrl sft` needs
-    from envs.experts import Demo
+    from mmrl.envs.experts import Demo
 
 TOKENIZER_FILE = "action_tokenizer.json"
 
@@ -107,7 +107,7 @@ def behaviour_clone(
 
 def run_sft(cfg: Config, console: Console | None = None) -> Path:
     """Collect demos, fit the action statistics, clone, and write the policy to `model.path`."""
-    from envs.experts import collect_demos
+    from mmrl.envs.experts import collect_demos
 
     console = console or Console()
     if cfg.env is None or cfg.sft is None:

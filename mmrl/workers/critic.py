@@ -14,8 +14,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from mmrl.config import Config
-from mmrl.critic import Critic, build_critic, value_model
-from mmrl.optim import apply_settings
+from mmrl.training.critic import Critic, build_critic, value_model
+from mmrl.training.optim import apply_settings
 from mmrl.workers.fsdp import load_sharded, save_sharded, shard_model
 
 OPTIONS = StateDictOptions()  # every parameter, frozen ones too, as the policy saves without LoRA

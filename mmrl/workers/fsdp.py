@@ -31,8 +31,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from mmrl.actor import SHARDED_LOGITS, response_hidden
 from mmrl.models import family_of
+from mmrl.training.actor import SHARDED_LOGITS, response_hidden
 
 
 def init_process_group(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> torch.device:

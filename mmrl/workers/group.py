@@ -16,14 +16,14 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mmrl.batch import Batch, concat
 from mmrl.config import Config
-from mmrl.critic import needs_critic
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch, concat
+from mmrl.data.dataset import PromptSample
 from mmrl.errors import ResourceError, WorkerError
-from mmrl.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
-from mmrl.optim import MiniBatch, UpdateStats
 from mmrl.rollout import SamplingParams, resolve_engine
+from mmrl.training.critic import needs_critic
+from mmrl.training.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
+from mmrl.training.optim import MiniBatch, UpdateStats
 from mmrl.workers.policy import PolicyWorker
 
 log = logging.getLogger("mmrl.workers")
@@ -280,7 +280,7 @@ class PolicyGroup:
     def split_update(self, method: str, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
         """Each rank takes a share of every planned mini-batch, keeping the mini-batch's totals, so the
         summed gradient is the one-process gradient. Shares are equal in rows, or under a token budget
-        equal in tokens with the same number of micro-batches (`mmrl.micro_batches.worker_layouts`).
+        equal in tokens with the same number of micro-batches (`mmrl.training.micro_batches.worker_layouts`).
         Short shares are padded with a row that carries no loss (no response tokens, zero advantage)."""
         blank = batch.select([0])
         blank.set(response_mask=torch.zeros_like(blank["response_mask"]))

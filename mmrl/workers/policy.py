@@ -19,17 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from mmrl.actor import build_actor, needs_reference
-from mmrl.batch import Batch
 from mmrl.config import Config
-from mmrl.critic import needs_critic
-from mmrl.data import PromptSample
-from mmrl.lora import apply_lora, merged_state
-from mmrl.micro_batches import Layout
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
-from mmrl.optim import MiniBatch, UpdateStats, apply_settings
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
+from mmrl.training.actor import build_actor, needs_reference
+from mmrl.training.critic import needs_critic
+from mmrl.training.lora import apply_lora, merged_state
+from mmrl.training.micro_batches import Layout
+from mmrl.training.optim import MiniBatch, UpdateStats, apply_settings
 from mmrl.workers.critic import load_critic, save_critic, sharded_critic
 from mmrl.workers.fsdp import full_state_dict, init_process_group, load_sharded, save_sharded, shard_policy
 

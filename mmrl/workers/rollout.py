@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from mmrl.batch import Batch
 from mmrl.config import Config
-from mmrl.data import PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import PromptSample
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from faultkit import SCRAMBLE
 
-from mmrl.synthetic import generate
+from mmrl.data.synthetic import generate
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ from faultkit import CONFIG, overrides, raw_records
 from PIL import Image
 
 from mmrl.cli import main
-from processors import PixelBudget, smart_size
+from mmrl.processors import PixelBudget, smart_size
 
 BUDGET = PixelBudget(min_pixels=12544, max_pixels=12544)  # configs/quickstart.yaml: 112 x 112
 RED, BLUE = (210, 0, 0), (0, 60, 230)
@@ -155,7 +155,7 @@ def test_every_bad_row_is_skipped_and_counted_and_every_awkward_row_is_used_corr
     recorder = tmp_path / "recorder.py"
     recorder.write_text(RECORDER.format(log=str(seen_log)))
     run = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="mmrl.data"):
+    with caplog.at_level(logging.WARNING, logger="mmrl.data.dataset"):
         code = main(
             [
                 "train",
@@ -296,7 +296,7 @@ def test_validation_skips_and_huge_images_are_counted_in_the_metrics(
     val = _rows(tmp_path / "val.jsonl", [good, {"problem": "What colour?"}])
     # The colour task's 56 x 56 images count as huge (past PIL's decompression-bomb size) under this limit.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)
-    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="mmrl.data"):
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="mmrl.data.dataset"):
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         code = _train(tmp_path, task, f"data.val_files={val}", "trainer.val_before_train=true")
     assert code == 0

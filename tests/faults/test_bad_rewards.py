@@ -19,7 +19,7 @@ from faultkit import CONFIG, overrides
 from PIL import Image
 
 from mmrl.cli import main
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 
 RESPONSES_PER_PROMPT = 2
 FAST = [

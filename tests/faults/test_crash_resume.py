@@ -3,7 +3,7 @@ that was never interrupted: the same final weights, the same data rows at every 
 with each step once.
 
 The first leg is stopped inside a checkpoint write: a child started with `python -c` wraps
-`mmrl.checkpoint._fsync_tree` so that, for one save, it signals and sleeps once every file but the
+`mmrl.run.checkpoint._fsync_tree` so that, for one save, it signals and sleeps once every file but the
 manifest is written, and the test kills it there. That leaves the torn folder a real crash leaves.
 The second leg is killed at a seeded random moment. A finished-looking checkpoint folder whose files
 do not match its manifest (what a crash can leave on a file system that reorders writes) is planted
@@ -33,7 +33,7 @@ from faultkit import (
     weights,
 )
 
-from mmrl import checkpoint as ckpt
+from mmrl.run import checkpoint as ckpt
 from mmrl.trainer import truncate_metrics
 
 STEPS = 8
@@ -46,7 +46,7 @@ SEED = 20240611  # picks the second leg's kill point
 HANGING_SAVE = """
 import os, sys, time
 from pathlib import Path
-from mmrl import checkpoint
+from mmrl.run import checkpoint
 from mmrl.cli import main
 
 real_fsync_tree = checkpoint._fsync_tree

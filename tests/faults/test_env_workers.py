@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from envs.workers import EnvPool, EnvWorkerError
+from mmrl.envs.workers import EnvPool, EnvWorkerError
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 SEEDS = [3, 4, 5, 6]

@@ -18,8 +18,8 @@ import pytest
 import torch
 from faultkit import CONFIG, max_differences, overrides, raw_records, weights
 
-from mmrl import checkpoint as ckpt
 from mmrl.cli import main
+from mmrl.run import checkpoint as ckpt
 from mmrl.trainer import Trainer
 
 ONE_UPDATE_A_STEP = ["actor.mini_batch_size=4", "actor.micro_batch_size=16"]

@@ -28,9 +28,9 @@ import torch
 from faultkit import CONFIG, finish, overrides, raw_records, start, train_argv, weights
 from PIL import Image
 
-from mmrl import checkpoint as ckpt
 from mmrl.cli import main
-from mmrl.synthetic import generate
+from mmrl.data.synthetic import generate
+from mmrl.run import checkpoint as ckpt
 
 TMPFS_MB = 12  # one checkpoint of the tiny model is ~8 MB: the second does not fit
 RSS_GROWTH_BOUND_MB = 50

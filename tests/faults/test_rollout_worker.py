@@ -11,7 +11,7 @@ import pytest
 import ray
 from helpers import overlapped_config
 
-from mmrl.logger import read_metrics
+from mmrl.run.logger import read_metrics
 from mmrl.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]

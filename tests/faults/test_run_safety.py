@@ -15,14 +15,14 @@ import pytest
 import yaml
 from faultkit import CONFIG, REPO, child_env, finish, overrides, raw_records, start, train_argv, wait_until
 
-from mmrl import checkpoint as ckpt
 from mmrl.cli import main
+from mmrl.run import checkpoint as ckpt
 
 # Holds a run folder the way a training run does, until killed.
 HOLD = """
 import sys, time
 from pathlib import Path
-from mmrl.run_lock import RunLock
+from mmrl.run.lock import RunLock
 
 RunLock(Path(sys.argv[1]))
 print("held", flush=True)
@@ -57,7 +57,7 @@ def test_a_run_folder_held_by_a_live_run_is_refused_and_a_dead_runs_lock_is_take
         holder.kill()
         holder.wait()
     # Killed, the holder left its lock behind; the next run takes it over with a note and frees it at the end.
-    with caplog.at_level(logging.WARNING, logger="mmrl.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="mmrl.run.lock"):
         assert _train(tiny_model_dir, colour_task, run, 1) == 0
     assert f"pid {holder.pid}" in caplog.text and "no longer alive" in caplog.text
     assert [r["step"] for r in raw_records(run)] == [1]

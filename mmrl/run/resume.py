@@ -1,0 +1,107 @@
+"""What a resumed run may change in its config, and the record of every config a run has used.
+
+A resume promises the run that was never stopped: the same data in the same order, from the state the
+checkpoint holds. Options that decide which rows are drawn and how (data, batch size, group size, seed)
+or what the checkpoint's state is (model, warm-up, estimator, env) cannot change without breaking that,
+so a change to them is refused. The rest only steer the steps still to come (learning rate, length,
+logging, save and validation cadence, loss settings) and are applied. `config.yaml` holds the config
+in use; `config_history/from_step_N.yaml` keeps the one each part of the run started with.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mmrl.config import Config, ConfigError, dump_config, load_config
+from mmrl.run import checkpoint as ckpt
+
+FIXED = ("model", "data", "rollout.n", "trainer.seed", "warmup", "algorithm.adv_estimator", "env")
+# Within FIXED, these touch neither the training data nor the checkpoint's state.
+FREE = (
+    "model.gradient_checkpointing",
+    "data.val_files",
+    "data.val_batch_size",
+    "data.max_val_samples",
+    "env.val_episodes",
+    "env.val_seed",
+    "env.media_episodes",
+    "env.num_workers",
+    "env.timeout_s",
+    "env.max_restarts",
+)
+HISTORY = "config_history"
+log = logging.getLogger("mmrl.run.resume")
+
+
+def check_resume(run_dir: Path, cfg: Config) -> tuple[int, str]:
+    """The step a resume starts from (0 without a checkpoint) and a note naming the changes applied.
+
+    Raises ConfigError for a change that breaks the resume's exactness, listing each with how to
+    go on, and for a `trainer.total_steps` the run has already passed."""
+    newest = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    saved = run_dir / "config.yaml"
+    if newest is None or not saved.exists():
+        return 0, ""
+    step = int(newest.name.removeprefix("step_"))
+    try:
+        before = load_config(saved)
+    except ConfigError as err:  # written by an mmrl whose options differ from this one's
+        log.warning(
+            "--resume: %s cannot be read to compare with (%s); the new config is used as given", saved, err
+        )
+        return step, ""
+    changes = _changes(_flat(before.model_dump(mode="json")), _flat(cfg.model_dump(mode="json")))
+    fixed = {key: change for key, change in changes.items() if _fixed(key)}
+    if fixed:
+        raise ConfigError(
+            f"--resume: {_listed(fixed)} differ from the config {run_dir} was trained with ({saved}); a "
+            "resumed run would no longer see the same data in the same order from the checkpoint's state. "
+            "Set them back to continue this run, or start a new run with another trainer.output_dir."
+        )
+    if cfg.trainer.total_steps < step:
+        raise ConfigError(
+            f"--resume: trainer.total_steps={cfg.trainer.total_steps} is below step {step}, where the "
+            f"newest checkpoint of {run_dir} already is. Pass a trainer.total_steps above {step} to train "
+            f"on, or use the checkpoint as it is ({newest})."
+        )
+    return step, f"--resume: applying {_listed(changes)}" if changes else ""
+
+
+def record_config(run_dir: Path, cfg: Config, step: int) -> None:
+    """Write the config this part of the run uses, as `config.yaml` and in the history."""
+    text = dump_config(cfg)
+    (run_dir / HISTORY).mkdir(parents=True, exist_ok=True)
+    (run_dir / HISTORY / f"from_step_{step:08d}.yaml").write_text(text)
+    (run_dir / "config.yaml").write_text(text)
+
+
+def _fixed(key: str) -> bool:
+    return any(_under(key, rule) for rule in FIXED) and not any(_under(key, rule) for rule in FREE)
+
+
+def _under(key: str, rule: str) -> bool:
+    return key == rule or key.startswith(rule + ".")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values; lists (reward functions, files) are compared whole."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else key))
+    return flat
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    return {
+        key: (old.get(key), new.get(key))
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    }
+
+
+def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())

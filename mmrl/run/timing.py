@@ -1,0 +1,44 @@
+"""Wall time per phase of a training step, reported with throughput and host memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mmrl.run.logger import peak_rss_gb
+
+
+class PhaseTimer:
+    """Seconds per phase (`with timer("rollout"): ...`), added up when a phase repeats, as timing/<phase>."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        out = {f"timing/{k}": v for k, v in self.phases.items()}
+        out["timing/step"] = total
+        out["throughput/tokens_per_s"] = tokens / total
+        out["memory/peak_rss_gb"] = peak_rss_gb()
+        if (rss := current_rss_gb()) is not None:
+            out["memory/rss_gb"] = rss
+        return out
+
+
+def current_rss_gb() -> float | None:
+    """This process's resident set size now, in GiB (None without /proc). The peak cannot show a
+    slow leak once an early step has set it; the current size grows with one."""
+    with contextlib.suppress(OSError):
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return None

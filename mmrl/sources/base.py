@@ -1,0 +1,90 @@
+"""Rollout sources: where a training step's scored trajectories come from.
+
+The trainer's loop is the same for every kind of run; what differs is its source. Single-turn prompts
+(`mmrl.sources.prompts.PromptSource`) and simulator episodes (`mmrl.sources.episodes.EpisodeSource`) each
+generate through the loop's engine, score, and say how their trajectories turn into advantages, which
+rows an optimizer step takes, how they are validated and what of theirs a checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from mmrl.config import Config
+from mmrl.data.batch import Batch
+from mmrl.rollout.base import RolloutEngine
+from mmrl.run.timing import PhaseTimer
+from mmrl.training.optim import MiniBatch
+
+
+@dataclass
+class StepContext:
+    """What a source is handed by the loop for one call: the engine to generate with, the step, the
+    timer of the step's phases, and `guard(what)`, a context in which an engine failure stops the run
+    naming the step and what it was doing."""
+
+    engine: RolloutEngine
+    step: int
+    timer: PhaseTimer
+    guard: Callable[[str], AbstractContextManager[None]]
+
+
+class RolloutSource(Protocol):
+    """One kind of run's trajectories, as the training loop consumes them."""
+
+    validates: bool  # whether `validate` has anything to measure
+
+    def rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
+        """The step's scored trajectories (`scores` set) and their metrics."""
+
+    def metrics(self, batch: Batch) -> dict[str, Any]:
+        """Where the source stands after the step's rollouts (data cursor, skips, env restarts)."""
+
+    def needs_old_logprobs(self, batch: Batch) -> bool:
+        """Whether the update takes more than one optimizer step over `batch` (then π_old is scored)."""
+
+    def advantages(
+        self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advantages and returns [rows, response tokens] from the scored batch."""
+
+    def update_plan(self, batch: Batch) -> list[MiniBatch]:
+        """The optimizer steps over the batch's rows."""
+
+    def validate(self, ctx: StepContext) -> dict[str, Any]:
+        """Held-out metrics (`val/accuracy` among them), with the gallery or media they write."""
+
+    def warmup(self, model: Any, tokenizer: Any, seed: int) -> list[float]:
+        """The format warm-up (`warmup.steps`) on the source's own prompts; its losses."""
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps to resume exactly (small, JSON-able values)."""
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+    def save_files(self, model_folder: Path) -> None:
+        """Files a checkpoint's model folder needs besides the weights (an action tokenizer)."""
+
+    def close(self) -> None: ...
+
+
+def source_from_config(cfg: Config, processor: Any, model_config: Any) -> RolloutSource:
+    """The run's source: simulator episodes with an `env` section, agent trajectories with an `agent`
+    section, else prompts from the data files."""
+    if cfg.env is not None:
+        from mmrl.sources.episodes import EpisodeSource  # imports the simulators only for runs that use them
+
+        return EpisodeSource(cfg, processor, model_config)
+    if cfg.agent is not None:
+        from mmrl.sources.agents import AgentSource
+
+        return AgentSource(cfg, processor, model_config)
+    from mmrl.sources.prompts import PromptSource
+
+    return PromptSource(cfg, processor, model_config)

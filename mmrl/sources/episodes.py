@@ -1,0 +1,209 @@
+"""Simulator episodes as the source of a training step's rollouts (`mmrl.sources.base`).
+
+Each step runs `rollout.n` episodes from each of `data.train_batch_size` initial states. An episode's
+return is the reward of every decision in it, and advantages are normalised over the episodes that
+share an initial state (trajectory-level GRPO), so each episode counts once however long it ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.algorithms import first_rows, get_advantage_estimator, informative_groups
+from mmrl.config import Config, ConfigError
+from mmrl.data.batch import Batch
+from mmrl.data.dataset import image_budget
+from mmrl.envs.actions import ActionTokenizer
+from mmrl.envs.vector import LocalEnvs, VectorEnv
+from mmrl.rollout import SamplingParams
+from mmrl.run.checkpoint import rng_devices
+from mmrl.sources.base import StepContext
+from mmrl.training.optim import MiniBatch, plan_minibatches
+from mmrl.vla.episodes import Episodes, run_episodes
+from mmrl.vla.media import episodes_gif
+from mmrl.vla.observations import ObservationPrompts
+from mmrl.vla.sft import load_action_tokenizer, save_action_tokenizer
+
+
+def make_envs(cfg: Any, count: int) -> VectorEnv:
+    """`count` envs of the configured task (at most `env.max_envs`): in this process, or over
+    `env.num_workers` Ray workers."""
+    env = cfg.env
+    count = min(count, env.max_envs or count)
+    if not env.num_workers:
+        return LocalEnvs(env.task, count, env.options)
+    from mmrl.envs.workers import EnvPool
+    from mmrl.workers.group import connect
+
+    connect(cfg.trainer.ray_address)
+    return EnvPool(
+        env.task,
+        count,
+        min(env.num_workers, count),
+        env.options,
+        timeout_s=env.timeout_s,
+        max_restarts=env.max_restarts,
+    )
+
+
+def train_seeds(seed: int, step: int, count: int, below: int) -> list[int]:
+    """The initial states of a step: a function of (run seed, step) alone, so a resumed run meets the
+    same ones, and all below the evaluation seeds so training never sees an evaluation scene."""
+    return np.random.default_rng([seed, step, 3]).integers(0, below, size=count).tolist()
+
+
+def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: int) -> ActionTokenizer:
+    """The tokenizer `mmrl sft` saved beside the model, or fresh bins over [-1, 1] for a model never
+    taught actions (then RL must discover the action tokens on its own)."""
+    saved = load_action_tokenizer(model_path)
+    if saved is not None:
+        if saved.action_dim != action_dim:
+            raise ValueError(
+                f"{model_path} was taught {saved.action_dim}-D actions; env {cfg.env.task} takes {action_dim}-D"
+            )
+        return saved
+    return ActionTokenizer.for_vocab(vocab_size, action_dim, n_bins=cfg.env.n_bins, chunk=cfg.env.chunk)
+
+
+class EpisodeSource:
+    """Simulator episodes as a rollout source: rewards are returns, validation is a success rate, and a
+    checkpoint's model folder carries the action tokenizer."""
+
+    def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
+        self.cfg = cfg
+        self.envs = make_envs(cfg, max(cfg.data.train_batch_size * cfg.rollout.n, cfg.env.val_episodes))
+        self.action_tokenizer = episode_tokenizer(
+            cfg, cfg.model.path, model_config.get_text_config().vocab_size, self.envs.action_dim
+        )
+        self.prompts = ObservationPrompts(
+            processor, image_budget(cfg.data, model_config), cfg.env.prompt, cfg.env.history
+        )
+        self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.validates = cfg.env.val_episodes > 0
+
+    def episodes(
+        self, ctx: StepContext, seeds: list[int], params: SamplingParams, group_size: int = 1, record: int = 0
+    ) -> Episodes:
+        with ctx.guard("episode rollout"):
+            return run_episodes(
+                ctx.engine,
+                self.envs,
+                self.prompts,
+                self.action_tokenizer,
+                seeds,
+                params,
+                group_size=group_size,
+                invalid_penalty=self.cfg.env.invalid_penalty,
+                record=record,
+            )
+
+    def rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
+        """The step's episodes; with dynamic sampling, only groups whose returns differ (one round:
+        a fresh round would need fresh initial states and as long again)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        seeds = train_seeds(cfg.trainer.seed, ctx.step, cfg.data.train_batch_size, cfg.env.val_seed)
+        params = SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, logprobs=ctx.engine.logprobs_are_free
+        )
+        with ctx.timer("rollout"):
+            episodes = self.episodes(ctx, [s for s in seeds for _ in range(r.n)], params, group_size=r.n)
+        batch = episodes.batch
+        metrics = episodes.metrics("episode")
+        metrics["reward/mean"] = float(episodes.returns.mean())
+        metrics.update({f"episode/invalid_{k}": v for k, v in episodes.invalid.items()})
+        if cfg.algorithm.dynamic_sampling:
+            keep = informative_groups(batch["scores"], batch["group_index"])
+            metrics["dynamic_sampling/kept_groups"] = len(batch["group_index"][keep].unique())
+            batch = batch.select(keep.nonzero().squeeze(1))
+        return batch, metrics
+
+    def metrics(self, batch: Batch) -> dict[str, Any]:
+        return {"env/restarts": self.envs.restarts}
+
+    def needs_old_logprobs(self, batch: Batch) -> bool:
+        a = self.cfg.actor
+        return a.ppo_epochs > 1 or a.mini_batch_size < self.cfg.data.train_batch_size
+
+    def advantages(
+        self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.cfg.algorithm
+        options = {"norm_adv_by_std": a.norm_adv_by_std, "gamma": a.gamma, "lam": a.lam}
+        if a.adv_estimator == "gigpo":
+            return step_advantages(self.estimator, batch, step_weight=a.step_weight, **options)
+        return episode_advantages(self.estimator, batch, **options)
+
+    def update_plan(self, batch: Batch) -> list[MiniBatch]:
+        """`data.train_batch_size / actor.mini_batch_size` optimizer steps per epoch over the decisions."""
+        a = self.cfg.actor
+        steps = self.cfg.data.train_batch_size // a.mini_batch_size
+        rows = -(-len(batch) // steps)
+        return plan_minibatches(batch, rows, a.ppo_epochs, self.action_tokenizer.n_tokens)
+
+    def validate(self, ctx: StepContext) -> dict[str, Any]:
+        """Success over the fixed evaluation seeds, and a GIF of the first `env.media_episodes`.
+
+        Sampled validation (`rollout.val.temperature > 0`) draws from its own seeded stream, so it
+        leaves the training run's RNG alone and `mmrl eval` of the checkpoint reproduces it."""
+        env, v = self.cfg.env, self.cfg.rollout.val
+        if not env.val_episodes:
+            return {}
+        params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
+        seeds = list(range(env.val_seed, env.val_seed + env.val_episodes))
+        with torch.random.fork_rng(devices=rng_devices()):  # the same draws at every validation
+            torch.manual_seed(self.cfg.trainer.seed)
+            episodes = self.episodes(ctx, seeds, params, record=env.media_episodes)
+        metrics = episodes.metrics("val")
+        metrics["val/accuracy"] = metrics["val/success"]
+        if episodes.frames:
+            shown = episodes.success[: len(episodes.frames)].tolist()
+            episodes_gif(episodes.frames, shown, self.cfg.run_dir / "media" / f"step_{ctx.step:06d}.gif")
+        return metrics
+
+    def warmup(self, model: Any, tokenizer: Any, seed: int) -> list[float]:
+        raise ConfigError("episode runs start from demonstrations (`mmrl sft`), not a format warm-up")
+
+    def state(self) -> dict[str, Any]:
+        return {}  # a step's seeds follow from the step number
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def save_files(self, model_folder: Path) -> None:
+        save_action_tokenizer(self.action_tokenizer, model_folder)
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def episode_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trajectory-level advantages: `estimator` (a registry entry) over episodes, one return each and
+    grouped by initial state, then each decision takes its episode's value on every action token.
+
+    Normalising over episodes rather than decisions keeps a long failed episode from outweighing a
+    short successful one in its group's mean and std."""
+    position, first = first_rows(batch["episode_index"])
+    returns = batch["scores"][first][:, None]
+    advantages, targets = estimator(returns, torch.ones_like(returns), batch["group_index"][first], **options)
+    mask = batch["response_mask"].float()
+    return advantages[position] * mask, targets[position] * mask
+
+
+def step_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decision-level advantages (GiGPO): `estimator` over every decision with its own reward, its
+    episode and its state, then each decision's value on all of its action tokens."""
+    rewards = batch["step_rewards"][:, None]
+    advantages, targets = estimator(
+        rewards,
+        torch.ones_like(rewards),
+        batch["group_index"],
+        episode_index=batch["episode_index"],
+        anchor_index=batch["anchor_index"],
+        **options,
+    )
+    mask = batch["response_mask"].float()
+    return advantages * mask, targets * mask
