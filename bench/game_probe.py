@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))  # the envs package, not bench/envs.py
 
 from mmrl.agent.game import PROMPT
 from mmrl.data.batch import Batch, right_pad
-from mmrl.data.dataset import PromptSample, with_pixels
+from mmrl.data.dataset import with_pixels
+from mmrl.data.sample import PromptSample
 from mmrl.envs.gridnav import MOVES, GridNavEnv
 from mmrl.models import build_tiny, load_policy, load_processor
 from mmrl.processors import PixelBudget, build_messages, encode_prompt, num_image_tokens

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mmrl.config import Config, ConfigError, dump_config, load_config
+from mmrl.config import Config, dump_config, load_config
 from mmrl.config.recipes import resolve_config
-from mmrl.errors import RunStopped
+from mmrl.errors import ConfigError, RunStopped
 from mmrl.run.logger import DISK_FULL
 from mmrl.run.signals import RunInterrupted
 

@@ -27,3 +27,7 @@ class ResourceError(RunStopped):
 
 class RewardError(RunStopped):
     """A reward function failed on every sample for too many steps in a row; the run would learn nothing."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message meant for the person running the command."""

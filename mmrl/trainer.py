@@ -21,9 +21,9 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from mmrl.config import Config, ConfigError
+from mmrl.config import Config
 from mmrl.data.batch import Batch
-from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
+from mmrl.errors import CheckpointError, ConfigError, NumericalError, RolloutError, WorkerError
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
 from mmrl.rollout import engine_from_config
 from mmrl.run import checkpoint as ckpt
@@ -33,7 +33,8 @@ from mmrl.run.progress import TrainingProgress
 from mmrl.run.resume import check_resume, record_config
 from mmrl.run.signals import RunInterrupted, StopSignals
 from mmrl.run.timing import PhaseTimer
-from mmrl.sources.base import RolloutSource, StepContext, source_from_config
+from mmrl.sources.base import RolloutSource, StepContext
+from mmrl.sources.build import source_from_config
 from mmrl.training.actor import Actor, build_actor, needs_reference
 from mmrl.training.critic import Critic, build_critic, critic_plan, needs_critic, value_model
 from mmrl.training.lora import apply_lora, merged_weights

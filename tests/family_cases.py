@@ -17,7 +17,8 @@ from PIL import Image
 from mmrl.algorithms import block_tokens
 from mmrl.config import ActorConfig, VLLMConfig
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample, with_pixels
+from mmrl.data.dataset import with_pixels
+from mmrl.data.sample import PromptSample, vision_inputs
 from mmrl.models import Family, family_of, load_policy, load_processor
 from mmrl.processors import (
     PixelBudget,
@@ -29,7 +30,6 @@ from mmrl.processors import (
     read_video,
 )
 from mmrl.rollout import SamplingParams, make_engine
-from mmrl.rollout.hf import vision_inputs
 from mmrl.rollout.vllm import VLLMEngine, vllm_available
 from mmrl.training.actor import Actor, forward_logprobs
 from mmrl.training.optim import plan_minibatches

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmrl.agent.warmup import SCRIPT
+from mmrl.agent.scripts import SCRIPT
 from mmrl.config import Config, VLLMConfig, load_config
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.data.synthetic import generate
 from mmrl.data.synthetic_video import QUESTION, generate_video
 from mmrl.models import load_processor

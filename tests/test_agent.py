@@ -28,7 +28,7 @@ from mmrl.agent import (
     image_zoom,
     parse_tool_calls,
 )
-from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
+from mmrl.agent.scripts import SCRIPT, Script, ScriptedEngine
 
 
 # ---------------------------------------------------------------- parsing

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mmrl.config import ConfigError, load_config
+from mmrl.config import load_config
+from mmrl.errors import ConfigError
 from mmrl.sources.prompts import make_kl_controller
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -13,8 +13,9 @@ import ray
 from helpers import OVERLAPPED, overlapped_config
 
 from mmrl.cli import main
-from mmrl.config import ConfigError, load_config
+from mmrl.config import load_config
 from mmrl.data.synthetic import generate
+from mmrl.errors import ConfigError
 from mmrl.run.logger import read_metrics
 from mmrl.trainer import Trainer
 from mmrl.workers.rollout import POLICY_VERSION

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from mmrl.cli import main
-from mmrl.config import Config, ConfigError, load_config
+from mmrl.config import Config, load_config
+from mmrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmrl.cli import main
 from mmrl.config import CriticConfig
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.data.synthetic import generate
 from mmrl.models import load_policy, load_processor
 from mmrl.processors import (

@@ -11,10 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrl.config import ConfigError, DataConfig
+from mmrl.config import DataConfig
 from mmrl.data.dataset import PromptDataset, read_rows
 from mmrl.data.loaders import PromptLoader, StreamLoader, make_loader
 from mmrl.data.prefetch import PrefetchLoader
+from mmrl.errors import ConfigError
 from mmrl.models import load_processor
 from mmrl.processors import PixelBudget, num_image_tokens
 

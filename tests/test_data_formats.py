@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 
 from mmrl.cli import main
-from mmrl.config import ConfigError, DataConfig
+from mmrl.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.rows import RowStream, read_rows, resolve_data
+from mmrl.errors import ConfigError
 from mmrl.models import load_processor
 from mmrl.processors import PixelBudget
 

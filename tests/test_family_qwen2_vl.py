@@ -21,13 +21,12 @@ from family_cases import (
 )
 from safetensors import safe_open
 
-from mmrl.data.dataset import PromptSample
+from mmrl.data.batch import left_pad
+from mmrl.data.sample import POSITION_RULE, PromptSample, vision_inputs
 from mmrl.models import family_of, load_policy, load_processor
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.processors import TRANSFORMERS_RULE, PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad, vision_inputs
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
 from mmrl.training.actor import forward_logprobs
 

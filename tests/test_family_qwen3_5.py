@@ -30,13 +30,11 @@ from family_cases import (
 from safetensors import safe_open
 from transformers import AutoProcessor
 
-from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.batch import Batch, left_pad
+from mmrl.data.sample import POSITION_RULE, PromptSample
 from mmrl.models import family_of, load_policy, load_processor
 from mmrl.processors import PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names
 from mmrl.training.actor import forward_logprobs
 

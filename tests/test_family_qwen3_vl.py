@@ -27,8 +27,8 @@ from safetensors import safe_open
 from transformers import AutoProcessor
 
 from mmrl.config import ActorConfig
-from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.batch import Batch, left_pad
+from mmrl.data.sample import POSITION_RULE, PromptSample
 from mmrl.models import Family, family_of, load_policy, load_processor, save_model
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.processors import (
@@ -40,8 +40,6 @@ from mmrl.processors import (
     read_video,
 )
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
 from mmrl.training.actor import forward_logprobs
 

@@ -19,8 +19,9 @@ from family_cases import (
     vllm_only,
 )
 
-from mmrl.config import ActorConfig, ConfigError, load_config
-from mmrl.data.dataset import PromptSample
+from mmrl.config import ActorConfig, load_config
+from mmrl.data.sample import PromptSample
+from mmrl.errors import ConfigError
 from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
 from mmrl.processors import build_messages, encode_prompt
 from mmrl.rollout import HFEngine, SamplingParams

@@ -17,8 +17,9 @@ from PIL import Image
 
 from mmrl.agent import AgentEngine, AgentLimits
 from mmrl.agent.game import GameResponder, parse_move, write_game_rows
-from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
-from mmrl.data.dataset import PromptSample, with_pixels
+from mmrl.agent.scripts import SCRIPT, Script, ScriptedEngine
+from mmrl.data.dataset import with_pixels
+from mmrl.data.sample import PromptSample
 from mmrl.envs.gridnav import GridNavEnv, gridnav_expert
 from mmrl.processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
 from mmrl.rollout import SamplingParams
@@ -192,7 +193,8 @@ def test_the_game_graders_read_the_episode_and_refuse_rows_without_one() -> None
 
 
 def test_an_agent_section_takes_tools_or_a_game_never_both_nor_neither() -> None:
-    from mmrl.config import ConfigError, load_config
+    from mmrl.config import load_config
+    from mmrl.errors import ConfigError
 
     game = "agent.game={task: gridnav}"
     with pytest.raises(ConfigError, match=r"either agent\.tools"):
@@ -231,7 +233,8 @@ def test_an_expert_warmup_plays_the_noisy_expert_in_step_with_the_env(processor:
         assert all(p.extra["env_invalid"] == 0 for p in batch.prompts)
     assert outcomes[0.0] == [1.0] * len(seeds)
     assert 0 < sum(outcomes[None]) < len(seeds)
-    from mmrl.config import ConfigError, load_config
+    from mmrl.config import load_config
+    from mmrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="expert_noise"):
         load_config(CONFIGS / "quickstart_agent.yaml", ["warmup.expert_noise=1.0"])
@@ -273,7 +276,8 @@ def test_gigpo_credits_each_move_by_the_state_it_was_chosen_in(processor: Any) -
 
 
 def test_gigpo_is_refused_for_prompts_and_tools_and_taken_for_a_game() -> None:
-    from mmrl.config import ConfigError, load_config
+    from mmrl.config import load_config
+    from mmrl.errors import ConfigError
 
     for recipe in ("quickstart.yaml", "quickstart_agent.yaml"):
         with pytest.raises(ConfigError, match="needs an env section or a game"):

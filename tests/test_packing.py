@@ -11,9 +11,10 @@ import pytest
 import torch
 from family_cases import media_at
 
-from mmrl.config import ActorConfig, Config, ConfigError, CriticConfig
+from mmrl.config import ActorConfig, Config, CriticConfig
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
+from mmrl.errors import ConfigError
 from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
 from mmrl.processors import build_messages, encode_prompt
 from mmrl.training.actor import Actor, build_actor, forward_logprobs

@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from mmrl.data.dataset import PromptDataset, PromptSample, image_budget
+from mmrl.data.dataset import PromptDataset, image_budget
+from mmrl.data.sample import PromptSample
 from mmrl.data.synthetic_video import write_mp4
 from mmrl.models import FAMILIES, family_of, load_config, load_processor
 from mmrl.processors import (

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mmrl.algorithms import ROLLOUT_CORRECTIONS, get_rollout_correction
-from mmrl.config import ConfigError, load_config
+from mmrl.config import load_config
+from mmrl.errors import ConfigError
 
 # ρ = π_old/π_rollout per token: row 0 has three tokens, row 1 two and a pad whose ratio must not count.
 RATIOS = [[0.6, 1.5, 3.0], [1.2, 0.4, 150.0]]

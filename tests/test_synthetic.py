@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl.data.dataset import synthetic
+from mmrl.data import synthetic
 from mmrl.data.synthetic import BACKGROUND, COLOURS, NOISE, NUMBERS, TASKS, generate
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mmrl.config import ConfigError
+from mmrl.errors import ConfigError
 from mmrl.run.logger import MetricsLogger
 
 

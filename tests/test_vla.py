@@ -13,12 +13,13 @@ from helpers import tiny_vla_config
 from PIL import Image
 
 from mmrl.algorithms import get_advantage_estimator
-from mmrl.config import ConfigError, SftConfig, load_config
+from mmrl.config import SftConfig, load_config
 from mmrl.data.batch import Batch
 from mmrl.envs import make_env
 from mmrl.envs.actions import ActionStats, ActionTokenizer
 from mmrl.envs.experts import Demo
 from mmrl.envs.vector import LocalEnvs
+from mmrl.errors import ConfigError
 from mmrl.models import ACTION_TOKENS, load_policy, load_processor
 from mmrl.processors import PixelBudget
 from mmrl.rollout import SamplingParams

@@ -28,7 +28,7 @@ from PIL import Image
 
 from mmrl.cli import main
 from mmrl.config import ActorConfig, VLLMConfig
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import POSITION_RULE, PromptSample
 from mmrl.data.synthetic import generate
 from mmrl.models import load_policy, load_processor
 from mmrl.processors import (
@@ -42,7 +42,6 @@ from mmrl.processors import (
     pixel_inputs,
 )
 from mmrl.rollout import HFEngine, SamplingParams, resolve_engine
-from mmrl.rollout.base import POSITION_RULE
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.run.logger import read_metrics
 from mmrl.training.actor import Actor, forward_logprobs
@@ -105,7 +104,7 @@ def test_vllm_samples_after_a_tool_image_with_the_trainers_logprobs(engine) -> N
     middle of the conversation, and a turn vLLM samples from that context. The trainer's one forward over
     the whole trajectory gives that turn's tokens the log-probs vLLM sampled them with."""
     from mmrl.agent import AgentEngine, AgentLimits, ToolBox, ToolResponder, ToolSpec
-    from mmrl.agent.warmup import SCRIPT, Script, ScriptedEngine
+    from mmrl.agent.scripts import SCRIPT, Script, ScriptedEngine
 
     processor = load_processor(engine.model.name_or_path)
     prompts = [

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from mmrl.agent.loop import Reply, Trajectory
-from mmrl.agent.warmup import Script
+from mmrl.agent.scripts import Script
 from mmrl.envs.base import Env
 from mmrl.envs.experts import expert_action
 from mmrl.envs.registry import make_env

@@ -30,7 +30,7 @@ from mmrl.agent.builtin import SeenImage
 from mmrl.agent.calls import parse_tool_calls
 from mmrl.agent.tools import ToolBox
 from mmrl.data.batch import Batch, right_pad
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.processors import PixelBudget, fit_image, num_image_tokens, pixel_inputs
 from mmrl.processors.chat import expand_pads, tool_response_text
 from mmrl.rewards import ImageSize

@@ -10,68 +10,19 @@ really see, but learns only the format: which box to zoom into and which answer 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from mmrl.agent.game import GameResponder, expert_scripts
 from mmrl.agent.loop import AgentEngine
+from mmrl.agent.scripts import SCRIPT, Script, ScriptedEngine
 from mmrl.config import WarmupConfig
-from mmrl.data.batch import Batch, right_pad
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.rollout.base import SamplingParams
 from mmrl.training.supervised import supervised_batch_step
-
-SCRIPT = "warmup_script"  # a warm-up prompt's `extra` key: the assistant turns it is answered with
-
-
-@dataclass
-class Script:
-    """One trajectory's assistant turns, and how many were given: every turn of a trajectory is generated
-    from a copy of its prompt sample, and all copies share this object."""
-
-    turns: list[str]
-    given: int = 0
-
-    def next(self) -> str:
-        self.given += 1
-        return self.turns[min(self.given, len(self.turns)) - 1]
-
-
-class ScriptedEngine:
-    """A rollout engine that answers each prompt with the next turn of its script (`extra[SCRIPT]`)."""
-
-    logprobs_are_free = True
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
-        rows = [p.extra[SCRIPT].next() for p in prompts]
-        ids = [
-            self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-            for t in rows
-        ]
-        response, mask = right_pad(ids, self.tokenizer.pad_token_id)
-        batch = Batch(
-            tensors={
-                "prompt_index": torch.arange(len(prompts)),
-                "response_ids": response,
-                "response_mask": mask,
-                "truncated": torch.zeros(len(prompts), dtype=torch.bool),
-                "rollout_logprobs": torch.zeros(mask.shape),
-            },
-            prompts=prompts,
-        )
-        batch.set(response_text=rows)
-        return batch
-
-    def sync_weights(self) -> None:
-        """A script has no weights."""
-
-    def sleep(self) -> None:
-        """Nothing to free."""
 
 
 def scripts(cfg: WarmupConfig, answers: list[str], count: int, rng: np.random.Generator) -> list[Script]:
@@ -117,8 +68,6 @@ def agent_warmup(
         if cfg.expert_noise is None:
             drawn = scripts(cfg, answers, len(rows), rng)
         else:  # a game's expert, played from each row's seed
-            from mmrl.agent.game import GameResponder, expert_scripts
-
             assert isinstance(agent.responder, GameResponder) and cfg.turns is not None
             seeds = [int(samples[r].extra["seed"]) for r in rows]
             drawn = expert_scripts(agent.responder, cfg.turns, seeds, rng, cfg.expert_noise)

@@ -16,9 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message meant for the person running the command."""
+from mmrl.errors import ConfigError
 
 
 class _Section(BaseModel):

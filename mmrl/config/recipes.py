@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from mmrl.config import ConfigError
+from mmrl.errors import ConfigError
 
 PACKAGED = Path(__file__).resolve().parent / "configs"
 # Folders a recipe may be written under when the path does not exist here: the repository's folder, and

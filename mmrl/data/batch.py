@@ -66,6 +66,17 @@ class Batch:
         return [self.select(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
 
 
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as a left-padded (B, L) id tensor and its attention mask."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
 def right_pad(
     rows: Sequence[Sequence[float]], value: float = 0, dtype: torch.dtype = torch.long
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,16 +18,16 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from jinja2 import Template
 from PIL import Image
 
-from mmrl.config import ConfigError
 from mmrl.data.rows import Row, Rows, RowStream, cache_dir, json_row, read_rows
+from mmrl.data.sample import PromptSample
+from mmrl.errors import ConfigError
 from mmrl.models import family_of
 from mmrl.processors import (
     ImageError,
@@ -53,26 +53,6 @@ if TYPE_CHECKING:
     from mmrl.config import DataConfig
 
 log = logging.getLogger("mmrl.data.dataset")
-
-
-@dataclass
-class PromptSample:
-    """One prompt, ready for rollout and training; built once per step and shared by its n responses."""
-
-    row_id: int
-    prompt_ids: list[int]
-    prompt_text: str
-    ground_truth: Any
-    images: list[Image.Image] = field(default_factory=list)
-    image_sizes: list[ImageSize] = field(default_factory=list)
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    videos: list[Video] = field(default_factory=list)
-    pixel_values_videos: torch.Tensor | None = None
-    video_grid_thw: torch.Tensor | None = None
-    second_per_grid_ts: torch.Tensor | None = None  # seconds per temporal patch, one per video
-    originals: list[Image.Image] = field(default_factory=list)  # full-size images, kept for image tools
 
 
 def image_budget(cfg: DataConfig, model_config: Any) -> PixelBudget:

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmrl.data.dataset import PromptDataset, PromptSample
+from mmrl.data.dataset import PromptDataset
 from mmrl.data.rows import Row
+from mmrl.data.sample import PromptSample
 
 if TYPE_CHECKING:
     from mmrl.config import DataConfig

@@ -10,8 +10,8 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from mmrl.data.dataset import PromptSample
 from mmrl.data.loaders import PromptLoader, StreamLoader
+from mmrl.data.sample import PromptSample
 
 
 class PrefetchLoader:

@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmrl.config import ConfigError
+from mmrl.errors import ConfigError
 
 if TYPE_CHECKING:
     import datasets

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from mmrl.config import Config, ConfigError
+from mmrl.config import Config
 from mmrl.data.dataset import image_budget
+from mmrl.errors import ConfigError
 from mmrl.evaluate.prompts import EvalResult, load_for_eval
 from mmrl.rollout import SamplingParams
 from mmrl.sources.episodes import make_envs

@@ -17,7 +17,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mmrl.config import Config, ConfigError
+from mmrl.config import Config
+from mmrl.errors import ConfigError
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rewards import RewardManager
 from mmrl.rollout import SamplingParams, engine_from_config

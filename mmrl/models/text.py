@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from mmrl.config import ConfigError
+from mmrl.errors import ConfigError
 from mmrl.models.family import Family, Grid, register
 from mmrl.models.qwen2_5_vl import tiny_text
 from mmrl.processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget

@@ -6,9 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
-
-POSITION_RULE = "position_rule"  # batch list column: the `processors.PositionRule` each row was sampled under
+from mmrl.data.sample import PromptSample
 
 
 @dataclass(frozen=True)

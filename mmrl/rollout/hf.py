@@ -8,37 +8,10 @@ import torch
 from transformers import GenerationConfig
 
 from mmrl.algorithms import block_tokens, logprobs_from_logits
-from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.batch import Batch, left_pad
+from mmrl.data.sample import PromptSample, vision_inputs
 from mmrl.models import autocast_for, family_of, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import SamplingParams
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists as a left-padded (B, L) id tensor and its attention mask."""
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
-def vision_inputs(prompts: list[PromptSample]) -> dict[str, torch.Tensor]:
-    """Concatenated pixel patches, grids (and video timing) of the prompts' images and videos, in
-    prompt order: the model's multimodal keyword arguments."""
-    out: dict[str, torch.Tensor] = {}
-    with_images = [p for p in prompts if p.pixel_values is not None]
-    if with_images:
-        out["pixel_values"] = torch.cat([p.pixel_values for p in with_images])
-        out["image_grid_thw"] = torch.cat([p.image_grid_thw for p in with_images])
-    with_videos = [p for p in prompts if p.pixel_values_videos is not None]
-    if with_videos:
-        out["pixel_values_videos"] = torch.cat([p.pixel_values_videos for p in with_videos])
-        out["video_grid_thw"] = torch.cat([p.video_grid_thw for p in with_videos])
-        out["second_per_grid_ts"] = torch.cat([p.second_per_grid_ts for p in with_videos])
-    return out
 
 
 def _expands_media_per_item(model: Any, prompts: list[PromptSample]) -> bool:

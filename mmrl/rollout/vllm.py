@@ -29,11 +29,11 @@ import torch
 from mmrl.algorithms import BLOCKED_LOGIT
 from mmrl.config import VLLMConfig
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import POSITION_RULE, PromptSample
 from mmrl.models import family_of, model_folder, never_generated_ids, tokenizer_of
 from mmrl.processors import PositionRule, Video, keep_frames_kwargs
 from mmrl.rollout import cpu_shm
-from mmrl.rollout.base import POSITION_RULE, SamplingParams
+from mmrl.rollout.base import SamplingParams
 from mmrl.training.lora import merged_state
 
 log = logging.getLogger("mmrl.rollout.vllm")

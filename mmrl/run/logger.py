@@ -13,8 +13,7 @@ from typing import Any
 
 from rich.console import Console
 
-from mmrl.config import ConfigError
-from mmrl.errors import RunStopped
+from mmrl.errors import ConfigError, RunStopped
 
 # Hosted trackers, used when listed in `trainer.loggers`; each is an optional install.
 TRACKERS = ("wandb", "swanlab")

@@ -14,7 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from mmrl.config import Config, ConfigError, dump_config, load_config
+from mmrl.config import Config, dump_config, load_config
+from mmrl.errors import ConfigError
 from mmrl.run import checkpoint as ckpt
 
 FIXED = ("model", "data", "rollout.n", "trainer.seed", "warmup", "algorithm.adv_estimator", "env")

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import torch
 
-from mmrl.config import Config
 from mmrl.data.batch import Batch
 from mmrl.rollout.base import RolloutEngine
 from mmrl.run.timing import PhaseTimer
@@ -72,19 +71,3 @@ class RolloutSource(Protocol):
         """Files a checkpoint's model folder needs besides the weights (an action tokenizer)."""
 
     def close(self) -> None: ...
-
-
-def source_from_config(cfg: Config, processor: Any, model_config: Any) -> RolloutSource:
-    """The run's source: simulator episodes with an `env` section, agent trajectories with an `agent`
-    section, else prompts from the data files."""
-    if cfg.env is not None:
-        from mmrl.sources.episodes import EpisodeSource  # imports the simulators only for runs that use them
-
-        return EpisodeSource(cfg, processor, model_config)
-    if cfg.agent is not None:
-        from mmrl.sources.agents import AgentSource
-
-        return AgentSource(cfg, processor, model_config)
-    from mmrl.sources.prompts import PromptSource
-
-    return PromptSource(cfg, processor, model_config)

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from mmrl.algorithms import first_rows, get_advantage_estimator, informative_groups
-from mmrl.config import Config, ConfigError
+from mmrl.config import Config
 from mmrl.data.batch import Batch
 from mmrl.data.dataset import image_budget
 from mmrl.envs.actions import ActionTokenizer
 from mmrl.envs.vector import LocalEnvs, VectorEnv
+from mmrl.errors import ConfigError
 from mmrl.rollout import SamplingParams
 from mmrl.run.checkpoint import rng_devices
 from mmrl.sources.base import StepContext

@@ -25,11 +25,12 @@ from mmrl.algorithms import (
     kl_reward_penalty,
     overlong_penalty,
 )
-from mmrl.config import Config, ConfigError
+from mmrl.config import Config
 from mmrl.data.batch import Batch, concat
 from mmrl.data.dataset import PreparedRows, PromptDataset, image_budget
 from mmrl.data.loaders import make_loader
 from mmrl.data.prefetch import PrefetchLoader
+from mmrl.errors import ConfigError
 from mmrl.models import family_of, tokenizer_of
 from mmrl.processors import VideoBudget
 from mmrl.rewards import RewardInput, RewardManager

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.models import autocast_for, load_policy, load_processor
 from mmrl.processors import build_messages, encode_prompt, pixel_inputs
 from mmrl.rewards.graders import register_grader

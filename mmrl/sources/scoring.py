@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.config import ConfigError, RewardConfig
+from mmrl.config import RewardConfig
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
-from mmrl.errors import RewardError
+from mmrl.data.sample import PromptSample
+from mmrl.errors import ConfigError, RewardError
 from mmrl.rewards import RewardInput, RewardManager, RewardResult
 from mmrl.rewards.manager import configure_functions
 from mmrl.rollout import RolloutEngine, SamplingParams

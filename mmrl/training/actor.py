@@ -24,12 +24,12 @@ from mmrl.algorithms import (
     logprobs_from_logits,
     masked_mean,
 )
-from mmrl.config import ActorConfig, Config, ConfigError
-from mmrl.data.batch import Batch
+from mmrl.config import ActorConfig, Config
+from mmrl.data.batch import Batch, left_pad
+from mmrl.data.sample import POSITION_RULE, vision_inputs
+from mmrl.errors import ConfigError
 from mmrl.models import Family, autocast_for, family_of, never_generated_ids
 from mmrl.processors import TRANSFORMERS_RULE
-from mmrl.rollout.base import POSITION_RULE
-from mmrl.rollout.hf import left_pad, vision_inputs
 from mmrl.training.micro_batches import Layout, micro_batches, micro_layout, scatter_rows
 from mmrl.training.optim import (
     MiniBatch,

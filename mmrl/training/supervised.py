@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mmrl.data.batch import Batch, right_pad
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.training.actor import forward_logprobs
 
 

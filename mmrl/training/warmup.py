@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mmrl.config import WarmupConfig
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.training.supervised import supervised_step
 
 

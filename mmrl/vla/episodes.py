@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mmrl.data.batch import Batch, concat
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.envs.actions import ActionTokenizer, InvalidAction
 from mmrl.envs.vector import VectorEnv
 from mmrl.rollout import SamplingParams

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mmrl.config import Config
 from mmrl.data.batch import Batch, concat
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.rollout import SamplingParams, resolve_engine
 from mmrl.training.critic import needs_critic

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from mmrl.config import Config
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine

@@ -18,7 +18,7 @@ import torch
 
 from mmrl.config import Config
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.rollout.base import SamplingParams
 

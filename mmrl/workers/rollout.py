@@ -14,7 +14,7 @@ import torch
 
 from mmrl.config import Config
 from mmrl.data.batch import Batch
-from mmrl.data.dataset import PromptSample
+from mmrl.data.sample import PromptSample
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config
 
