@@ -70,9 +70,9 @@ def one_run(model: Path, data: Path, run_dir: Path, lora: bool, steps: int) -> d
         *(["model.lora.rank=16", "model.lora.alpha=32"] if lora else []),
     ]
     trainer = Trainer(load_config(QUICKSTART, overrides))
-    params = sum(p.numel() for p in trainer.model.parameters())
+    params = sum(p.numel() for p in trainer.policy.model.parameters())
     trainer.fit()  # LoRA adapters go in here
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in trainer.policy.model.parameters() if p.requires_grad)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"params_m": params / 1e6, "trainable_m": trainable / 1e6, "peak_rss_gb": peak}
 

@@ -227,12 +227,11 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
                 f"warmup.steps={args.warmup_steps}",
             ],
         )
-        trainer = Trainer(cfg)
-        losses = trainer.source.warmup(trainer.model, trainer.processor.tokenizer, args.seed)
-        trainer.model.save_pretrained(start)
+        trainer = Trainer(cfg)  # runs the format warm-up as it starts, into its run's warmup_model/
+        shutil.copytree(trainer.run_dir / "warmup_model", start, dirs_exist_ok=True)
         trainer.logger.close()
         trainer.source.close()
-        print(f"shared format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        trainer.lock.release()
     return start
 
 

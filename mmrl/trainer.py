@@ -2,47 +2,40 @@
 
 from __future__ import annotations
 
-import copy
-import errno
-import json
 import logging
-import os
 import random
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from rich.console import Console
-from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from mmrl.config import Config
 from mmrl.data.batch import Batch
-from mmrl.errors import CheckpointError, ConfigError, NumericalError, RolloutError, WorkerError
-from mmrl.models import family_of, load_policy, load_processor, resolve_dtype, save_model, tokenizer_of
-from mmrl.rollout import engine_from_config
+from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
+from mmrl.models import load_processor, tokenizer_of
 from mmrl.run import checkpoint as ckpt
 from mmrl.run.lock import RunLock
 from mmrl.run.logger import MetricsLogger, plot_reward_curve
 from mmrl.run.progress import TrainingProgress
-from mmrl.run.resume import check_resume, record_config
+from mmrl.run.resume import (
+    check_resume,
+    record_config,
+    refuse_to_overwrite,
+    resumable_checkpoint,
+    truncate_metrics,
+)
 from mmrl.run.signals import RunInterrupted, StopSignals
 from mmrl.run.timing import PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
-from mmrl.training.actor import Actor, build_actor, needs_reference
-from mmrl.training.critic import Critic, build_critic, critic_plan, needs_critic, value_model
-from mmrl.training.lora import apply_lora, merged_weights
-from mmrl.training.optim import apply_settings
-from mmrl.workers.remote import RemoteRollout
-
-if TYPE_CHECKING:
-    from mmrl.workers.group import CriticRole, PolicyGroup
+from mmrl.training.critic import critic_plan
+from mmrl.workers.placement import Policy, place_policy
 
 log = logging.getLogger("mmrl.trainer")
 
@@ -65,8 +58,7 @@ class Trainer:
     ) -> None:
         """`source`: where the steps' rollouts come from; by default the config's (`source_from_config`)."""
         self.lock = RunLock(cfg.run_dir)  # held until `fit` ends: a second run in the folder stops at once
-        self.workers: PolicyGroup | None = None
-        self.engine: Any = None
+        self.policy: Policy | None = None
         try:
             self._build(cfg, resume, console, source)
         except BaseException:
@@ -87,41 +79,16 @@ class Trainer:
             self.console.print(changes, markup=False, highlight=False, soft_wrap=True)
         record_config(self.run_dir, cfg, start)
         seed_everything(cfg.trainer.seed)
-        device = cfg.trainer.torch_device()
-        # Trained weights stay fp32; `model.dtype` sets the compute precision (autocast).
-        self.compute_dtype = resolve_dtype(cfg.model.dtype, device)
         self.processor = load_processor(cfg.model.path)
-        self.pad_id = tokenizer_of(self.processor).pad_token_id
-        # With Ray workers the policy lives in them (FSDP2 shards); the controller holds no weights.
-        self.model: Any = None
-        if not cfg.trainer.uses_workers:
-            self.model = load_policy(cfg.model.path, torch.float32, device)
-            if cfg.model.freeze_vision_tower:
-                family_of(self.model).freeze_vision(self.model)
-            if cfg.model.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
         self.source = source or source_from_config(
             cfg, self.processor, AutoConfig.from_pretrained(cfg.model.path)
         )
-        self.peft: Any = None  # the PeftModel wrapper once LoRA adapters are in
-        self.actor: Any
-        if self.model is not None and cfg.rollout.max_staleness and device == "cuda":
-            raise ConfigError(
-                "rollout.max_staleness on a GPU: the trainer in this process would share its GPU with the rollout "
-                "worker. Run the trainer in a Ray worker too, so each has a GPU of its own: add "
-                "trainer.ray_address=local (or auto on a cluster started with `ray start`)"
-            )
-        if self.model is not None:
-            self.engine = (
-                RemoteRollout(cfg, partial(merged_weights, self.model))  # generates ahead while this trains
-                if cfg.rollout.max_staleness
-                else engine_from_config(cfg, self.model, self.processor, self.compute_dtype, cfg.model.path)
-            )
-            self.actor = self._make_actor()
-        self.critic: Critic | CriticRole | None = self._make_critic(cfg.critic.model_path or cfg.model.path)
-        self.ref: Any = None
+        resume_from = resumable_checkpoint(self.run_dir) if resume else None
+        self.policy = place_policy(
+            cfg, self.processor, self.run_dir, resume_from is not None, self._warmup, self.console
+        )
+        self.engine = self.policy.engine
+        self.critic = self.policy.critic
         self.logger = MetricsLogger(
             self.run_dir,
             cfg.trainer.loggers,
@@ -136,10 +103,8 @@ class Trainer:
         self.bad_steps = 0
         self.last_good: dict[str, Any] | None = None
         self.save_deferred = False
-        if cfg.trainer.uses_workers:
-            self._start_workers(resume)
         if resume:
-            self._resume()
+            self._resume(resume_from)
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
@@ -150,22 +115,16 @@ class Trainer:
             self.lock.release()
 
     def _stop_workers(self) -> None:
-        """Kill the Ray actors of this run: the policy group's, an overlapped run's rollout worker. A
-        failure to is logged, not raised: it must not hide why the run ended."""
-        for role in {id(r): r for r in (self.engine, self.workers) if r is not None}.values():
-            if (stop := getattr(role, "shutdown", None)) is not None:
-                try:
-                    stop()
-                except Exception as err:
-                    log.warning("could not stop %s: %r", type(role).__name__, err)
+        """Stop the run's Ray actors (the policy group's, an overlapped run's rollout worker). A failure to
+        is logged, not raised: it must not hide why the run ended."""
+        if self.policy is not None:
+            try:
+                self.policy.shutdown()
+            except Exception as err:
+                log.warning("could not stop %s: %r", type(self.policy).__name__, err)
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg.trainer
-        if self.resumed_from is None and self.cfg.warmup.steps and self.workers is None:
-            self._warmup(self.model)
-        if self.cfg.model.lora.rank and self.peft is None and self.workers is None:
-            self._apply_lora()  # after the warm-up: adapters start on the model RL starts from
-        self.ref = self._reference()
         self.engine.sync_weights()  # the engine starts from the weights RL starts from (warm-up, resume)
         # A resumed run's step-0 record is already in the log (a checkpoint of step 0 is written when
         # the very first steps all fail numerically).
@@ -230,12 +189,13 @@ class Trainer:
         if not len(batch):  # dynamic sampling kept no group and on_unfilled=continue: nothing to learn
             return metrics
         algo = self.cfg.algorithm
-        if algo.use_kl_in_reward or self.source.needs_old_logprobs(batch):
+        plan = self.source.update_plan(batch)
+        if algo.use_kl_in_reward or plan.steps(len(batch)) > 1:
             with timer("old_logprobs"):
-                batch.set(old_logprobs=self.actor.logprobs(batch))
-        if self.ref is not None:
+                batch.set(old_logprobs=self.policy.logprobs(batch))
+        if self.policy.has_reference:
             with timer("ref"):
-                batch.set(ref_logprobs=self._ref_logprobs(batch))
+                batch.set(ref_logprobs=self.policy.ref_logprobs(batch))
         if self.critic is not None:
             with timer("values"):
                 batch.set(values=self.critic.values(batch))
@@ -250,7 +210,7 @@ class Trainer:
                 metrics.update(self._update_critic(batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
-                stats = self.actor.update(batch, self.source.update_plan(batch))
+                stats = self.policy.update(batch, plan.minibatches(batch))
             with timer("sync"):
                 self.engine.sync_weights()
             metrics.update(stats.metrics)
@@ -279,36 +239,20 @@ class Trainer:
     def save(self, small_state: dict[str, Any] | None = None) -> Path:
         """Checkpoint the model, optimizer and `small_state` (default: as they are now)."""
         small = small_state or self._small_state()
-        state = dict(small)
-        write_model = self._model_writer()
-        if self.workers is None:
-            state["optimizer"] = self.actor.optimizer.state_dict()
-            state["scheduler"] = self.actor.scheduler.state_dict()
-        if self.critic is not None and self.workers is None:  # workers save their critic shards themselves
-            state["critic"] = self.critic.state_dict()
+        state = {**small, **self.policy.state_dict()}
         root = self.run_dir / "checkpoints"
         try:
             return ckpt.save_checkpoint(
-                root, small["step"], write_model, state, self.cfg.trainer.keep_checkpoints
+                root, small["step"], self._write_model, state, self.cfg.trainer.keep_checkpoints
             )
         except OSError as err:
-            raise CheckpointError(_save_failure(root, small["step"], err)) from err
+            raise CheckpointError(ckpt.save_failure(root, small["step"], err)) from err
 
-    def _model_writer(self) -> Callable[[Path], None]:
-        """What writes the weights into a checkpoint folder: each worker its own shards of weights and
-        AdamW state, or this process the model (under LoRA the adapter alone, in peft's format); then the
-        source adds what its policy needs beside them (`RolloutSource.save_files`)."""
-        weights = (
-            self.workers.save
-            if self.workers is not None
-            else ckpt.hf_writer(self.peft or self.model, self.processor)
-        )
-
-        def write(folder: Path) -> None:
-            weights(folder)
-            self.source.save_files(Path(folder) / "model")
-
-        return write
+    def _write_model(self, folder: Path) -> None:
+        """The weights into a checkpoint folder (the policy's layout: an HF folder, or each worker's
+        shards), then what the source's policy needs beside them (`RolloutSource.save_files`)."""
+        self.policy.save(folder)
+        self.source.save_files(Path(folder) / "model")
 
     def _context(self, timer: PhaseTimer) -> StepContext:
         """What the source is handed for a call: the engine, this step, its timer, the error guard."""
@@ -345,9 +289,7 @@ class Trainer:
             "actor.max_grad_norm may help. Then run again with --resume."
         )
 
-    def _resume(self) -> None:
-        ckpt.remove_torn_writes(self.run_dir / "checkpoints")
-        folder = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+    def _resume(self, folder: Path | None) -> None:
         if folder is None:
             truncate_metrics(self.logger.jsonl, None)
             self.console.print(
@@ -355,21 +297,9 @@ class Trainer:
             )
             return
         state = ckpt.load_trainer_state(folder)
-        if self.workers is not None:
-            self.workers.load(folder)
-        else:
-            if self.cfg.model.lora.rank:
-                self._load_lora(folder)
-            else:
-                ckpt.load_model_weights(self.model, folder)
-            self.actor.optimizer.load_state_dict(state["optimizer"])
-            self.actor.scheduler.load_state_dict(state["scheduler"])
-            # The config's lr over the checkpoint's: a resume may change it.
-            apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)
+        self.policy.load(folder, state)
         self.source.load_state(state)
         ckpt.set_rng_state(state["rng"])
-        if self.critic is not None and self.workers is None:  # `workers.load` restored theirs
-            self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         self.resumed_from = folder
         redone = truncate_metrics(self.logger.jsonl, self.step)
@@ -377,40 +307,9 @@ class Trainer:
         note = f"; {redone} metrics records logged after it were dropped, to be redone" if redone else ""
         self.console.print(f"resumed from {folder} at step {self.step}{note}")
 
-    def _warmup(self, model: Any) -> None:
-        losses = self.source.warmup(model, tokenizer_of(self.processor), self.cfg.trainer.seed)
-        # The RL starting point and the KL reference: a complete model folder, for the workers too.
-        save_model(model, self.processor, self.run_dir / "warmup_model")
-        self.console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-        if self.critic is not None and not self.cfg.critic.model_path:
-            self.critic = self._make_critic(self.run_dir / "warmup_model")  # the critic starts where RL does
-
-    def _start_workers(self, resume: bool) -> None:
-        """Start the Ray actor group on the weights RL starts from: the configured model, or the format
-        warm-up's output, which the controller makes first (in-process, once) when a fresh run has one."""
-        start = self._lora_base()
-        if self.cfg.warmup.steps and not (start / "config.json").exists():
-            if resume and ckpt.latest_checkpoint(self.run_dir / "checkpoints") is not None:
-                raise FileNotFoundError(
-                    f"{start} is missing: the checkpoints of this run were trained from it"
-                )
-            with torch.random.fork_rng(devices=ckpt.rng_devices()):
-                self._warmup(load_policy(self.cfg.model.path))
-        from mmrl.workers.group import PolicyGroup  # Ray is imported only by runs that use it
-
-        cfg = self.cfg.model_copy(deep=True)
-        cfg.model.path = str(start)
-        self.workers = PolicyGroup(cfg)
-        self.actor = self.workers
-        # Overlapped: a rollout worker of its own, fed the whole weights gathered from the shards.
-        self.engine = (
-            RemoteRollout(cfg, self.workers.merged_weights) if cfg.rollout.max_staleness else self.workers
-        )
-        self.critic = self.workers.critic
-        roles = "actor and critic" if self.critic is not None else "actor"
-        self.console.print(
-            f"{self.workers.world} {roles} workers (FSDP2) on {len(set(self.workers.nodes))} node(s)"
-        )
+    def _warmup(self, model: Any) -> list[float]:
+        """The format warm-up on the source's own prompts (`place_policy` saves its result)."""
+        return self.source.warmup(model, tokenizer_of(self.processor), self.cfg.trainer.seed)
 
     @contextmanager
     def _worker_errors(self) -> Iterator[None]:
@@ -438,16 +337,6 @@ class Trainer:
                 "again with --resume."
             ) from err
 
-    def _make_critic(self, start: str | Path) -> Critic | None:
-        """The in-process GAE critic, its trunk initialised from the policy weights at `start`; None
-        without GAE, or with Ray workers, which hold their own shards of it (`_start_workers`)."""
-        if not needs_critic(self.cfg) or self.cfg.trainer.uses_workers:
-            return None
-        device = str(next(self.model.parameters()).device)
-        with torch.random.fork_rng(devices=ckpt.rng_devices()):  # building it must not shift the training RNG
-            model = value_model(self.cfg, start, device)
-        return build_critic(self.cfg, model, self.pad_id, self.compute_dtype)
-
     def _update_critic(self, batch: Batch) -> dict[str, Any]:
         """One critic update on the actor's mini-batches; returns its metrics."""
         assert self.critic is not None
@@ -458,112 +347,6 @@ class Trainer:
         metrics["critic/values_mean"] = float(batch["values"][mask].mean()) if mask.any() else 0.0
         metrics["critic/skipped_updates"] = stats.skipped_steps
         return metrics
-
-    def _reference(self) -> Any:
-        """The frozen KL reference: the policy as RL started (after any warm-up). None when KL is off;
-        under LoRA the policy itself, read with its adapter switched off (no second copy)."""
-        if not needs_reference(self.cfg):
-            return None
-        if self.workers is not None:  # each worker holds its shard of the reference
-            return self.workers
-        if self.peft is not None:
-            return self.model
-        if self.resumed_from is None:
-            return copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
-        start = self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
-        device = next(self.model.parameters()).device
-        with torch.random.fork_rng(devices=ckpt.rng_devices()):  # loading must not shift the training RNG
-            return load_policy(start, self.compute_dtype, str(device)).eval().requires_grad_(False)
-
-    def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
-        if self.workers is not None:
-            return self.workers.ref_logprobs(batch)
-        if self.ref is self.model:  # LoRA: the base model is the policy without its adapter
-            with self.peft.disable_adapter():
-                return self.actor.logprobs(batch)
-        return self.actor.logprobs(batch, self.ref)
-
-    def _make_actor(self) -> Actor:
-        return build_actor(self.cfg, self.model, self.pad_id, self.compute_dtype)
-
-    def _lora_base(self) -> Path:
-        """The weights the adapters sit on: the warm-up's output, or the configured model."""
-        return self.run_dir / "warmup_model" if self.cfg.warmup.steps else Path(self.cfg.model.path)
-
-    def _apply_lora(self) -> None:
-        """Freeze the model, add adapters, and give the actor an optimizer over the adapters only."""
-        # peft records this as the adapter's base, so `mmrl eval` and plain transformers find it.
-        base = str(self._lora_base().resolve())
-        self.model.name_or_path = self.model.config._name_or_path = base
-        self.peft = apply_lora(self.model, self.cfg.model.lora)
-        self.actor = self._make_actor()
-
-    def _load_lora(self, folder: Path) -> None:
-        """Resume under LoRA: the base weights, then the checkpoint's adapter on top."""
-        from peft import set_peft_model_state_dict
-
-        with torch.random.fork_rng(devices=ckpt.rng_devices()):
-            base = load_policy(self._lora_base(), torch.float32)
-        self.model.load_state_dict(base.state_dict())
-        self._apply_lora()
-        adapter = folder / "model" / "adapter_model.safetensors"
-        if not adapter.exists():
-            raise FileNotFoundError(
-                f"{folder} holds no LoRA adapter ({adapter.name}); was it saved with model.lora?"
-            )
-        set_peft_model_state_dict(self.peft, load_file(adapter))
-
-
-def refuse_to_overwrite(run_dir: Path) -> None:
-    """A fresh run must not mix its metrics and checkpoints with an earlier run's."""
-    leftovers = [p for p in (run_dir / "metrics.jsonl", run_dir / "checkpoints") if p.exists()]
-    if leftovers:
-        raise FileExistsError(
-            f"{run_dir} already holds an earlier run ({', '.join(p.name for p in leftovers)}). "
-            "Pass --resume to continue it, or set trainer.output_dir / trainer.experiment_name to a new folder."
-        )
-
-
-def truncate_metrics(path: Path, last_step: int | None) -> int:
-    """Drop metrics.jsonl records after `last_step` (every record for None); returns how many.
-
-    A run killed after its last checkpoint has logged steps that the resumed run does again;
-    kept, they would appear twice. A line torn by the kill goes too. The file is replaced
-    atomically, so dying here loses nothing."""
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            step = None
-        if step is not None and last_step is not None and step <= last_step:
-            kept.append(line + "\n")
-        else:
-            dropped += 1
-    if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
-            fh.writelines(kept)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    return dropped
-
-
-def _save_failure(root: Path, step: int, err: OSError) -> str:
-    """What went wrong writing a checkpoint, what is still safe, and what to do."""
-    cause = "no space left on the device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    newest = ckpt.latest_checkpoint(root)
-    intact = f"the newest complete one, {newest.name}, is intact" if newest else "there is no earlier one"
-    return (
-        f"step {step}: could not write a checkpoint to {root}: {cause} ({err.filename or err}). "
-        f"The partial write was removed; {intact}. Saving needs room for one checkpoint more than "
-        "trainer.keep_checkpoints; free space there, then run again with --resume."
-    )
 
 
 def _token_count(batch: Batch) -> int:

@@ -110,11 +110,10 @@ def test_fsdp_trainer_workers_feed_a_rollout_worker_the_weights_gathered_from_th
             prompts = trainer.source.train_set.prepare_all(limit=2)
             fresh = trainer.engine.generate(prompts, trainer.source.sampling(trainer.engine))
             assert fresh[POLICY_VERSION].tolist() == [1] * 4
-            gap = (trainer.workers.logprobs(fresh) - fresh["rollout_logprobs"])[fresh["response_mask"].bool()]
+            gap = (trainer.policy.logprobs(fresh) - fresh["rollout_logprobs"])[fresh["response_mask"].bool()]
             assert float(gap.abs().max()) < 1e-4, "the rollout worker should sample with the updated weights"
         finally:
-            trainer.engine.shutdown()
-            trainer.workers.shutdown()
+            trainer.policy.shutdown()  # and its rollout worker
             trainer.lock.release()
     finally:
         ray.shutdown()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mmrl.cli import main
-from mmrl.data.dataset import PromptDataset, read_rows
+from mmrl.config import DataConfig
+from mmrl.data.dataset import PromptDataset, PromptInputs, read_rows
 from mmrl.models import load_policy, load_processor
 from mmrl.processors import PixelBudget
 
@@ -55,10 +56,8 @@ def test_data_synth_writes_a_dataset_the_loader_accepts(tmp_path, capsys, tiny_m
     processor = load_processor(tiny_model_dir)
     dataset = PromptDataset(
         read_rows([str(out / "train.jsonl"), str(out / "val.jsonl")]),
-        processor.tokenizer,
-        processor.image_processor,
-        budget=PixelBudget(56 * 56, 56 * 56),
-        max_prompt_length=64,
+        DataConfig(max_prompt_length=64),
+        PromptInputs(processor.tokenizer, processor.image_processor, PixelBudget(56 * 56, 56 * 56)),
     )
     samples = dataset.prepare_all()
     assert len(samples) == 12, dict(dataset.skipped)

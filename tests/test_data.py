@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from mmrl.config import DataConfig
-from mmrl.data.dataset import PromptDataset, read_rows
+from mmrl.data.dataset import PromptDataset, PromptInputs, read_rows
 from mmrl.data.loaders import PromptLoader, StreamLoader, make_loader
 from mmrl.data.prefetch import PrefetchLoader
 from mmrl.errors import ConfigError
@@ -113,13 +113,13 @@ def corpus(tmp_path: Path) -> tuple[Path, dict[int, str], list[int]]:
     return _corpus(tmp_path)
 
 
-def _dataset(path: Path, processor: Any) -> PromptDataset:
+def _inputs(processor: Any) -> PromptInputs:
+    return PromptInputs(processor.tokenizer, processor.image_processor, BUDGET)
+
+
+def _dataset(path: Path, processor: Any, max_prompt_length: int = MAX_PROMPT) -> PromptDataset:
     return PromptDataset(
-        read_rows([str(path)]),
-        processor.tokenizer,
-        processor.image_processor,
-        budget=BUDGET,
-        max_prompt_length=MAX_PROMPT,
+        read_rows([str(path)]), DataConfig(max_prompt_length=max_prompt_length), _inputs(processor)
     )
 
 
@@ -302,12 +302,8 @@ def test_prompt_length_limit_is_inclusive(corpus, processor) -> None:
     path, _, good = corpus
     length = len(_dataset(path, processor).prepare(good[0]).prompt_ids)
     rows = read_rows([str(path)])
-    at_limit = PromptDataset(
-        rows, processor.tokenizer, processor.image_processor, budget=BUDGET, max_prompt_length=length
-    )
-    below = PromptDataset(
-        rows, processor.tokenizer, processor.image_processor, budget=BUDGET, max_prompt_length=length - 1
-    )
+    at_limit = PromptDataset(rows, DataConfig(max_prompt_length=length), _inputs(processor))
+    below = PromptDataset(rows, DataConfig(max_prompt_length=length - 1), _inputs(processor))
     assert at_limit.prepare(good[0]) is not None
     assert below.prepare(good[0]) is None
     assert below.skipped == Counter(prompt_too_long=1)
@@ -337,8 +333,7 @@ def test_checks_made_ahead_skip_the_same_rows_and_are_cached(
     again = _dataset(path, processor)
     again.check_rows()  # from the cache: no row is checked
     assert again.checked == dataset.checked and again.media_rows() == dataset.media_rows()
-    stricter = _dataset(path, processor)
-    stricter.max_prompt_length = 32
+    stricter = _dataset(path, processor, max_prompt_length=32)
     with pytest.raises(AssertionError, match="checked again"):
         stricter.check_rows()
     with path.open("a") as lines:
@@ -362,9 +357,7 @@ def _streamed(path: Path, processor: Any, buffer: int) -> StreamLoader:
     cfg = DataConfig(
         train_files=[str(path)], streaming=True, shuffle_buffer=buffer, max_prompt_length=MAX_PROMPT
     )
-    dataset = PromptDataset.from_config(
-        cfg.train_files, cfg, processor.tokenizer, processor.image_processor, BUDGET
-    )
+    dataset = PromptDataset.from_config(cfg, _inputs(processor))
     return make_loader(dataset, cfg.model_copy(update={"train_batch_size": 4}), seed=11)
 
 

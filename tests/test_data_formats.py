@@ -16,7 +16,7 @@ from PIL import Image
 
 from mmrl.cli import main
 from mmrl.config import DataConfig
-from mmrl.data.dataset import PromptDataset
+from mmrl.data.dataset import PromptDataset, PromptInputs
 from mmrl.data.rows import RowStream, read_rows, resolve_data
 from mmrl.errors import ConfigError
 from mmrl.models import load_processor
@@ -45,10 +45,13 @@ def _png(colour: tuple[int, int, int] = (200, 0, 0), size: tuple[int, int] = (60
     return out.getvalue()
 
 
+def _inputs(processor: Any) -> PromptInputs:
+    return PromptInputs(processor.tokenizer, processor.image_processor, BUDGET)
+
+
 def _dataset(rows: list[tuple[dict[str, Any], Path]], processor: Any, **kwargs: Any) -> PromptDataset:
-    return PromptDataset(
-        rows, processor.tokenizer, processor.image_processor, budget=BUDGET, max_prompt_length=256, **kwargs
-    )
+    """`kwargs`: fields of the `data` section."""
+    return PromptDataset(rows, DataConfig(max_prompt_length=256, **kwargs), _inputs(processor))
 
 
 def _pads(sample: Any, processor: Any) -> int:
@@ -235,7 +238,7 @@ def test_bad_verl_rows_are_skipped_with_reasons(tmp_path: Path, processor: Any) 
         good | {"images": [{"bytes": None, "path": None}]},
         good | {"images": [{"bytes": b"not a png", "path": None}]},
     ]
-    dataset = _dataset([(r, tmp_path) for r in rows], processor, data_format="verl")
+    dataset = _dataset([(r, tmp_path) for r in rows], processor, format="verl")
     assert [s.row_id for s in dataset.prepare_all()] == [0]
     assert dataset.skipped == Counter(missing_answer=2, bad_prompt=3, missing_prompt=2, bad_image=2)
 
@@ -254,7 +257,8 @@ def test_dotted_keys_and_explicit_format(tmp_path: Path, processor: Any) -> None
     ).prepare_all()
     assert literal.ground_truth == "5"  # a column whose name has a dot is read as that column
     with pytest.raises(ConfigError, match=r"data\.format"):
-        _dataset([], processor, data_format="sharegpt")
+        # A section built unvalidated (`model_construct`): the dataset still refuses the layout.
+        PromptDataset([], DataConfig.model_construct(format="sharegpt"), _inputs(processor))
 
 
 def _write_arrow(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -377,9 +381,7 @@ def test_from_config_uses_the_data_section(tmp_path: Path, processor: Any) -> No
     cfg = DataConfig(
         train_files=[str(path)], format="verl", answer_key="extra_info.question", system_prompt="S"
     )
-    dataset = PromptDataset.from_config(
-        cfg.train_files, cfg, processor.tokenizer, processor.image_processor, BUDGET
-    )
+    dataset = PromptDataset.from_config(cfg, _inputs(processor))
     (sample,) = dataset.prepare_all()
     assert sample.ground_truth == "<image>Find x."
     assert "<|im_start|>system\nS<|im_end|>" in _text(sample, processor)

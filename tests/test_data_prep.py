@@ -20,7 +20,8 @@ import pytest
 from PIL import Image
 
 from mmrl.cli import main as mmrl_main
-from mmrl.data.dataset import PromptDataset, read_rows
+from mmrl.config import DataConfig
+from mmrl.data.dataset import PromptDataset, PromptInputs, read_rows
 from mmrl.data.synthetic_geometry import KINDS, generate_geometry, render, sqrt_text, times_pi
 from mmrl.models import load_processor
 from mmrl.processors import PixelBudget
@@ -45,13 +46,8 @@ def processor(tiny_model_dir: Path) -> Any:
 
 
 def _samples(spec: str, processor: Any) -> tuple[list[Any], PromptDataset]:
-    dataset = PromptDataset(
-        read_rows([spec]),
-        processor.tokenizer,
-        processor.image_processor,
-        budget=BUDGET,
-        max_prompt_length=512,
-    )
+    inputs = PromptInputs(processor.tokenizer, processor.image_processor, BUDGET)
+    dataset = PromptDataset(read_rows([spec]), DataConfig(max_prompt_length=512), inputs)
     return dataset.prepare_all(), dataset
 
 

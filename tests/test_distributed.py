@@ -108,7 +108,7 @@ def test_two_fsdp_workers_update_exactly_like_one_process(
     cfg = _cfg(tiny_family_dir(family), tmp_path / "data", *extra)
     batch = _scored_batch(cfg)
     torch.manual_seed(1)
-    plan = update_plan(cfg, batch)
+    plan = update_plan(cfg).minibatches(batch)
     assert len(plan) == 2
 
     expected, base_logprobs = _one_process_update(cfg, batch, plan)
@@ -138,7 +138,7 @@ def test_token_budget_workers_update_and_score_like_one_process(local_ray, tmp_p
     batch.set(response_mask=mask)  # responses of 0 to 8 tokens: uneven shares and micro-batch counts
     cfg.actor.max_tokens_per_micro_batch = budget = 160  # 4 rows of 35-token prompts and short answers
     torch.manual_seed(1)
-    plan = update_plan(cfg, batch)
+    plan = update_plan(cfg).minibatches(batch)
     lengths = row_lengths(batch)
     shares = [[lengths[i] for i in step.rows.tolist()] for step in plan]
     uneven = [len({len(pack_rows(sub, rows, budget)) for rows in deal(sub, 2)}) > 1 for sub in shares]
@@ -157,7 +157,7 @@ def test_sharded_checkpoint_exports_whole_and_resumes_exactly(local_ray, tmp_pat
     generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
     cfg = _cfg(tiny_model_dir, tmp_path / "data")
     batch = _scored_batch(cfg)
-    first, second = update_plan(cfg, batch), update_plan(cfg, batch)
+    first, second = update_plan(cfg).minibatches(batch), update_plan(cfg).minibatches(batch)
     folder = tmp_path / "ckpt"
     group = PolicyGroup(cfg)
     try:
@@ -280,7 +280,7 @@ def test_trainer_places_lora_workers_on_both_nodes_of_a_two_node_cluster(tmp_pat
     )
     try:
         trainer = Trainer(load_config("configs/quickstart.yaml", overrides))
-        nodes = trainer.workers.nodes
+        nodes = trainer.policy.nodes
         trainer.fit()
     finally:
         ray.shutdown()
@@ -337,7 +337,7 @@ def test_a_killed_worker_stops_the_run_naming_it_and_the_step_and_resume_continu
     )
     cfg = load_config("configs/quickstart.yaml", overrides)
     trainer = Trainer(cfg)
-    victim = trainer.workers.group.places[1]["pid"]
+    victim = trainer.policy.group.places[1]["pid"]
     rows_per_step = 4 * 4
     (data / "kill.json").write_text(json.dumps({"calls": 0, "at": 2 * rows_per_step + 1, "pid": victim}))
     started = time.monotonic()
@@ -421,7 +421,7 @@ def test_lora_workers_share_one_tensor_parallel_vllm_engine_fed_from_their_shard
         batch.set(ref_logprobs=group.ref_logprobs(batch))
         batch.set(old_logprobs=group.logprobs(batch))
         torch.manual_seed(1)
-        group.update(batch, update_plan(cfg, batch))
+        group.update(batch, update_plan(cfg).minibatches(batch))
         group.sync_weights()  # the trained weights: verified again
 
         again = group.generate(prompts, params)

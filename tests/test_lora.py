@@ -147,7 +147,7 @@ def test_lora_reaches_vllm_by_merge_and_sync_without_touching_the_base(tmp_path,
     assert all(r["actor/rollout_logprob_diff"] < 1e-3 for r in records)
     base = load_policy(tmp_path / "v" / "warmup_model").state_dict()
     ours = {
-        n.replace(".base_layer.", "."): p for n, p in trainer.model.state_dict().items() if ".lora_" not in n
+        n.replace(".base_layer.", "."): p for n, p in trainer.policy.model.state_dict().items() if ".lora_" not in n
     }
     assert all(
         torch.equal(ours[name], value) for name, value in base.items()

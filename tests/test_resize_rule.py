@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from mmrl.data.dataset import PromptDataset, image_budget
+from mmrl.config import DataConfig
+from mmrl.data.dataset import PromptDataset, PromptInputs, image_budget
 from mmrl.data.sample import PromptSample
 from mmrl.data.synthetic_video import write_mp4
 from mmrl.models import FAMILIES, family_of, load_config, load_processor
@@ -167,9 +168,8 @@ def processor(tiny_model_dir: Path) -> Any:
 def _prepare(processor: Any, images: list[Any], folder: Path) -> tuple[PromptSample | None, PromptDataset]:
     """One row with `images` (entries as the `images` column holds them), prepared under `RUN`."""
     row = {"problem": "<image>" * len(images) + "What colour?", "answer": "red", "images": images}
-    dataset = PromptDataset(
-        [(row, folder)], processor.tokenizer, processor.image_processor, budget=RUN, max_prompt_length=512
-    )
+    inputs = PromptInputs(processor.tokenizer, processor.image_processor, RUN)
+    dataset = PromptDataset([(row, folder)], DataConfig(max_prompt_length=512), inputs)
     return dataset.prepare(0), dataset
 
 
@@ -238,15 +238,14 @@ def test_a_video_rows_entry_keys_reach_the_model_inputs(processor, tmp_path: Pat
     write_mp4(tmp_path / "clip.mp4", np.zeros((16, 56, 56, 3), np.uint8), fps=4)  # 4 s
     row = {"problem": "<video>Which way?", "answer": "left", "videos": [{"video": "clip.mp4", "nframes": 4}]}
     budget = VideoBudget(min_pixels=28 * 28, max_pixels=56 * 56, max_total_pixels=32 * 56 * 56)
-    dataset = PromptDataset(
-        [(row, tmp_path)],
+    inputs = PromptInputs(
         processor.tokenizer,
         processor.image_processor,
-        budget=RUN,
-        max_prompt_length=512,
+        RUN,
         video_budget=budget,
         video_processor=processor.video_processor,
     )
+    dataset = PromptDataset([(row, tmp_path)], DataConfig(max_prompt_length=512), inputs)
     sample = dataset.prepare(0)
     assert len(sample.videos[0].frames) == 4  # 8 at the run's 2 fps
     assert sample.video_grid_thw.tolist() == [[2, 4, 4]]

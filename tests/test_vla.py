@@ -395,13 +395,13 @@ def test_episode_trainer_trains_validates_and_checkpoints_the_action_tokenizer(
 ) -> None:
     cfg = _cfg(tmp_path, tiny_model_dir)
     trainer = Trainer(cfg)
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
     trainer.fit()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert {"episode/success", "episode/episode_length", "reward/mean", "val/success"} <= records[-1].keys()
     assert records[-1]["actor/updates"] == 1
-    moved = max((trainer.model.state_dict()[k] - v).abs().max().item() for k, v in before.items())
+    moved = max((trainer.policy.model.state_dict()[k] - v).abs().max().item() for k, v in before.items())
     assert moved > 0
     assert sorted(p.name for p in (tmp_path / "run" / "media").iterdir()) == [
         "step_000000.gif",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mmrl.errors import ConfigError
 
-PACKAGED = Path(__file__).resolve().parent / "configs"
+PACKAGED = Path(__file__).resolve().parent.parent / "configs"  # mmrl/configs
 # Folders a recipe may be written under when the path does not exist here: the repository's folder, and
 # the spelling `config/` that the first description of mmrl used.
 RECIPE_FOLDERS = (".", "config", "configs")
@@ -19,7 +19,7 @@ RECIPE_FOLDERS = (".", "config", "configs")
 
 def recipe_dir() -> Path:
     """Where the bundled recipes are: inside an installed package, else the repository's `configs/`."""
-    return PACKAGED if PACKAGED.is_dir() else PACKAGED.parent.parent / "configs"
+    return PACKAGED if PACKAGED.is_dir() else PACKAGED.parent.parent / "configs"  # the repository root
 
 
 def recipe_names() -> list[str]:

@@ -1,8 +1,6 @@
 """Datasets of image prompts: reading rows, turning each into model inputs, skipping bad ones.
 
-Two row layouts are read as they are published. EasyR1: `problem` (text with `<image>` markers),
-`answer`, `images`. verl: `prompt` (chat messages, the system one becoming the system prompt),
-`reward_model.ground_truth`, `images`, and `extra_info`, whose fields reach rewards in `extra`.
+Rows come in EasyR1's or verl's layout (`mmrl.data.layouts`), read as they are published.
 
 A row that cannot be used (unreadable image, missing column, prompt over the token budget,
 marker/image mismatch) is skipped with a named reason. Reasons are counted and the first of
@@ -20,12 +18,24 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from jinja2 import Template
 from PIL import Image
 
-from mmrl.data.rows import Row, Rows, RowStream, cache_dir, json_row, read_rows
+from mmrl.data.checks import check_batch, check_processes
+from mmrl.data.layouts import (
+    FORMAT_KEYS,
+    LIFTED_COLUMN,
+    SkipRow,
+    columns_of,
+    detect_format,
+    from_messages,
+    is_empty,
+    layout_hint,
+    lookup,
+)
+from mmrl.data.rows import Row, Rows, RowStream, cache_dir, read_rows
 from mmrl.data.sample import PromptSample
 from mmrl.errors import ConfigError
 from mmrl.models import family_of
@@ -46,7 +56,6 @@ from mmrl.processors import (
     video_pad_count,
     video_pixel_inputs,
 )
-from mmrl.processors.chat import IMAGE_MARKER
 from mmrl.rewards import ImageSize
 
 if TYPE_CHECKING:
@@ -69,8 +78,6 @@ STREAM_HEAD = 1000
 CHECKS_VERSION = 1
 # Below this many rows the lazy checks of each batch cost less than a pass over all rows.
 CHECK_AHEAD_ROWS = 10_000
-# Rows per process in `check_rows`: below this, starting worker processes costs more than it saves.
-ROWS_PER_CHECK_PROCESS = 8192
 
 
 class NoUsableRows(ConfigError):
@@ -84,91 +91,6 @@ class PreparedRows(list[PromptSample]):
     def __init__(self, samples: list[PromptSample], skipped: Counter[str]) -> None:
         super().__init__(samples)
         self.skipped = skipped
-
-
-class SkipRow(Exception):
-    """Raised while preparing a row; `reason` is the short counter key."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-# Column defaults of each layout; a dotted key reaches into a struct column.
-FORMAT_KEYS: dict[str, tuple[str, str]] = {
-    "easyr1": ("problem", "answer"),
-    "verl": ("prompt", "reward_model.ground_truth"),
-}
-# A struct column whose fields are also handed to rewards as top-level `extra` keys, so graders
-# find e.g. `choices` wherever a verl-style preprocessing script put it.
-LIFTED_COLUMN = "extra_info"
-
-
-def columns_of(rows: Sequence[Row]) -> set[str]:
-    """Every column the rows have."""
-    if isinstance(rows, Rows):
-        return rows.columns()
-    return set().union(*(row.keys() for row, _ in rows if "__bad__" not in row))
-
-
-def detect_format(columns: set[str]) -> str:
-    """`verl` if the rows have `prompt` and `reward_model` columns and no `problem`, else `easyr1`
-    (also when neither fits, so skip reasons then name EasyR1's columns)."""
-    return "verl" if {"prompt", "reward_model"} <= columns and "problem" not in columns else "easyr1"
-
-
-def lookup(row: dict[str, Any], key: str) -> Any:
-    """Column `key`, or for a dotted key a field inside struct columns; a column named with dots wins."""
-    if key in row:
-        return row[key]
-    value: Any = row
-    for part in key.split("."):
-        if not isinstance(value, dict):
-            return None
-        value = value.get(part)
-    return value
-
-
-def _is_empty(value: Any) -> bool:
-    if isinstance(value, str):
-        return not value.strip()
-    return value is None or value == [] or value == {}
-
-
-def _message_text(content: Any) -> str:
-    """A message's content as text with `<image>` markers: a string, or OpenAI-style parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise SkipRow(
-            "bad_prompt", f"message content is {type(content).__name__}, not text or a list of parts"
-        )
-    pieces = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            pieces.append(part["text"])
-        elif kind == "image":
-            pieces.append(IMAGE_MARKER)
-        else:
-            raise SkipRow("bad_prompt", f"message part {part!r} is neither text nor an image")
-    return "".join(pieces)
-
-
-def _from_messages(messages: list[Any]) -> tuple[str, str | None]:
-    """The user text and the system prompt (None if absent) of a verl-style chat prompt."""
-    system: list[str] = []
-    user: list[str] = []
-    for message in messages:
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("system", "user"):
-            raise SkipRow(
-                "bad_prompt", f"prompt message {message!r}: only system and user messages are supported"
-            )
-        (system if role == "system" else user).append(_message_text(message.get("content")))
-    if len(user) != 1:
-        raise SkipRow("bad_prompt", f"prompt has {len(user)} user messages; a single-turn prompt needs one")
-    return user[0], "\n\n".join(system) or None
 
 
 def with_pixels(
@@ -187,6 +109,24 @@ def with_pixels(
     return sample
 
 
+@dataclass(frozen=True)
+class PromptInputs:
+    """What turns rows into a model's inputs besides the `data` section, all of it the model's or the
+    run's: its tokenizer, its image and video processors and the pixel budgets sized on its grid, its
+    family's video placeholder (`Family.video_placeholder`), and for agent runs the tools (JSON schemas)
+    described in every prompt and whether each image is kept at full size too, for image tools. A
+    text-only model's inputs are its tokenizer alone: no image processor and no pixel budget."""
+
+    tokenizer: Any
+    image_processor: Any = None
+    budget: PixelBudget | None = None
+    video_budget: VideoBudget | None = None
+    video_processor: Any = None
+    video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count
+    tools: Sequence[dict[str, Any]] = ()
+    keep_originals: bool = False
+
+
 @dataclass
 class _Text:
     """A row's parts that are read without decoding media; `messages` hold the media markers."""
@@ -201,56 +141,25 @@ class _Text:
 class PromptDataset:
     """Rows plus everything needed to turn one into a `PromptSample`.
 
-    `data_format` (`auto`, `easyr1`, `verl`) picks the default prompt and answer columns; a prompt
+    `data.format` (`auto`, `easyr1`, `verl`) picks the default prompt and answer columns; a prompt
     value may be text or a list of chat messages in either format. A system message in the row
-    overrides `system_prompt`, which applies to rows without one.
+    overrides `data.system_prompt`, which applies to rows without one.
     """
 
     def __init__(
-        self,
-        rows: Sequence[Row],
-        tokenizer: Any,
-        image_processor: Any,
-        *,
-        budget: PixelBudget | None,
-        max_prompt_length: int,
-        data_format: str = "auto",
-        origin: str = "the data",
-        prompt_key: str | None = None,
-        answer_key: str | None = None,
-        image_key: str = "images",
-        image_dir: str | None = None,
-        system_prompt: str | None = None,
-        format_prompt: str | None = None,
-        video_key: str = "videos",
-        video_budget: VideoBudget | None = None,
-        video_processor: Any = None,
-        video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
-        tools: Sequence[dict[str, Any]] = (),
-        keep_originals: bool = False,
+        self, rows: Sequence[Row], cfg: DataConfig, inputs: PromptInputs, origin: str = "the data"
     ) -> None:
-        """`video_placeholder` is the model family's (`Family.video_placeholder`). A text-only
-        model's dataset has no image processor and no pixel budget (None). `origin` names the data
-        in messages, e.g. `data.train_files (train.jsonl)`. `tools` (JSON schemas) are described in
-        every prompt (agent runs); `keep_originals` keeps each image at full size too, for image tools."""
-        if data_format not in ("auto", *FORMAT_KEYS):
-            raise ConfigError(f"data.format must be auto, easyr1 or verl, got {data_format!r}")
-        self.format = detect_format(columns_of(rows)) if data_format == "auto" else data_format
+        """Rows read and keyed as the `data` section `cfg` says, turned into `inputs`' model inputs.
+        `origin` names the data in messages, e.g. `data.train_files (train.jsonl)`."""
+        if cfg.format not in ("auto", *FORMAT_KEYS):
+            raise ConfigError(f"data.format must be auto, easyr1 or verl, got {cfg.format!r}")
+        self.format = detect_format(columns_of(rows)) if cfg.format == "auto" else cfg.format
         default_prompt, default_answer = FORMAT_KEYS[self.format]
         self.rows = rows
+        self.cfg, self.inputs = cfg, inputs
         self.origin = origin
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.budget = budget
-        self.max_prompt_length = max_prompt_length
-        self.keys = (prompt_key or default_prompt, answer_key or default_answer, image_key)
-        self.video_key, self.video_budget, self.video_processor = video_key, video_budget, video_processor
-        self.video_placeholder = video_placeholder
-        self.tools, self.keep_originals = list(tools), keep_originals
-        self.image_dir = image_dir
-        self.system_prompt = system_prompt
-        self.template_source = format_prompt
-        self.template = Template(format_prompt) if format_prompt else None
+        self.keys = (cfg.prompt_key or default_prompt, cfg.answer_key or default_answer, cfg.image_key)
+        self.template = Template(cfg.format_prompt) if cfg.format_prompt else None
         self.bad_rows: dict[int, str] = {}  # row index -> skip reason; each bad row counts once
         self.huge_rows: dict[int, int] = {}  # row index -> its images past PIL's decompression-bomb size
         self.stream: RowStream | None = None  # set for a streamed training set (`from_config`)
@@ -259,45 +168,16 @@ class PromptDataset:
 
     @classmethod
     def from_config(
-        cls,
-        files: list[str],
-        cfg: DataConfig,
-        tokenizer: Any,
-        image_processor: Any,
-        budget: PixelBudget | None,
-        video_budget: VideoBudget | None = None,
-        video_processor: Any = None,
-        video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count,
-        key: str = "train_files",
-        tools: Sequence[dict[str, Any]] = (),
-        keep_originals: bool = False,
+        cls, cfg: DataConfig, inputs: PromptInputs, key: Literal["train_files", "val_files"] = "train_files"
     ) -> PromptDataset:
-        """The dataset of `files`, data.`key` (train_files or val_files), read and keyed as the `data`
-        config section says. Memory-mapped sets of `CHECK_AHEAD_ROWS` or more are checked ahead
-        (`check_rows`); a streamed training set (`data.streaming`) keeps its `stream` and holds only its
-        first rows, read for the layout."""
+        """The dataset of data.`key`'s files, read and keyed as the `data` config section says.
+        Memory-mapped sets of `CHECK_AHEAD_ROWS` or more are checked ahead (`check_rows`); a streamed
+        training set (`data.streaming`) keeps its `stream` and holds only its first rows, read for the
+        layout."""
+        files = getattr(cfg, key)
         stream = RowStream(files) if cfg.streaming and key == "train_files" else None
-        dataset = cls(
-            read_rows(files) if stream is None else stream.head(STREAM_HEAD),
-            tokenizer,
-            image_processor,
-            budget=budget,
-            max_prompt_length=cfg.max_prompt_length,
-            data_format=cfg.format,
-            origin=f"data.{key} ({', '.join(map(str, files))})",
-            prompt_key=cfg.prompt_key,
-            answer_key=cfg.answer_key,
-            image_key=cfg.image_key,
-            image_dir=cfg.image_dir,
-            system_prompt=cfg.system_prompt,
-            format_prompt=cfg.format_prompt,
-            video_key=cfg.video_key,
-            video_budget=video_budget,
-            video_processor=video_processor,
-            video_placeholder=video_placeholder,
-            tools=tools,
-            keep_originals=keep_originals,
-        )
+        rows = read_rows(files) if stream is None else stream.head(STREAM_HEAD)
+        dataset = cls(rows, cfg, inputs, origin=f"data.{key} ({', '.join(map(str, files))})")
         dataset.stream = stream
         if stream is None and len(dataset) >= CHECK_AHEAD_ROWS:
             dataset.check_rows()
@@ -315,19 +195,24 @@ class PromptDataset:
         checker.rows = []  # the worker processes need the settings, not the rows
         settings = self._settings_key()
         self.media_count = 0
-        media = [key for key in (self.keys[2], self.video_key) if key in self.rows.columns()]
+        media = [key for key in (self.keys[2], self.cfg.video_key) if key in self.rows.columns()]
         for part, start in zip(self.rows.parts, self.rows.starts, strict=False):
             if not len(part):
                 continue
             key = hashlib.sha256(f"{settings}-{part.key}".encode()).hexdigest()[:16]
             done = part.arrow.map(
-                _check_batch,
+                check_batch,
                 batched=True,
-                fn_kwargs={"dataset": checker, "as_json": part.as_json, "media": media},
+                fn_kwargs={
+                    "check": checker._text,
+                    "has_media": checker.has_media,
+                    "as_json": part.as_json,
+                    "media": media,
+                },
                 remove_columns=part.table.column_names,
                 new_fingerprint=key,
                 cache_file_name=os.path.join(cache_dir(), "mmrl_checks", f"{key}.arrow"),
-                num_proc=_check_processes(len(part)),
+                num_proc=check_processes(len(part)),
                 desc=f"checking {self.origin}",
             ).with_format(None)
             self.media_count += sum(done["media"])
@@ -337,19 +222,19 @@ class PromptDataset:
 
     def _settings_key(self) -> str:
         """Everything `_text` reads besides the row: columns, template, length limit, tokenizer."""
-        tok = self.tokenizer
+        tok = self.inputs.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
         vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
         fields = (
             CHECKS_VERSION,
             self.format,
             self.keys,
-            self.video_key,
-            self.max_prompt_length,
-            self.system_prompt,
-            self.template_source,
-            json.dumps(self.tools, sort_keys=True),
-            self.budget is None,
+            self.cfg.video_key,
+            self.cfg.max_prompt_length,
+            self.cfg.system_prompt,
+            self.cfg.format_prompt,
+            json.dumps(self.inputs.tools, sort_keys=True),
+            self.inputs.budget is None,
             getattr(tok, "chat_template", None),
             hashlib.sha256(vocab.encode()).hexdigest(),
         )
@@ -365,7 +250,7 @@ class PromptDataset:
         """Whether the row names images or videos."""
         _, _, image_key = self.keys
         return "__bad__" not in row and not (
-            _is_empty(lookup(row, image_key)) and _is_empty(lookup(row, self.video_key))
+            is_empty(lookup(row, image_key)) and is_empty(lookup(row, self.cfg.video_key))
         )
 
     @property
@@ -387,26 +272,8 @@ class PromptDataset:
         counts = ", ".join(f"{reason} {n}" for reason, n in Counter(bad.values()).most_common())
         return NoUsableRows(
             f"{self.origin}: no usable row; all {len(bad)} rows read were skipped ({counts})"
-            f"{self._layout_hint()}"
+            f"{layout_hint(self.rows, self.keys, 'image_marker_mismatch' in self.skipped)}"
         )
-
-    def _layout_hint(self) -> str:
-        """When no row has the prompt or answer column (or, with `<image>` markers left unmatched, the
-        image column) the config names, the columns the rows do have and the keys that pick them."""
-        columns = sorted(columns_of(self.rows))
-        names = ("data.prompt_key", "data.answer_key", "data.image_key")
-        absent = [
-            (name, key)
-            for name, key in zip(names, self.keys, strict=True)
-            if all(lookup(row, key) is None for row, _ in self.rows)
-            and (name != "data.image_key" or "image_marker_mismatch" in self.skipped)
-        ]
-        if not columns or not absent:
-            return ""
-        missing = " or ".join(f"{key!r} ({name})" for name, key in absent)
-        keys = " and ".join(name for name, _ in absent)
-        column = "columns" if len(absent) > 1 else "column"
-        return f". No row has a column {missing}; the rows have columns {columns}: point {keys} at the right {column}"
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -442,12 +309,12 @@ class PromptDataset:
         _, answer_key, image_key = self.keys
         text, system = self._prompt(row)
         answer = lookup(row, answer_key)
-        if _is_empty(answer):
+        if is_empty(answer):
             raise SkipRow("missing_answer", f"column {answer_key!r} is missing or empty")
         sources = lookup(row, image_key) or []
         if not isinstance(sources, list):
             sources = [sources]
-        if sources and self.budget is None:
+        if sources and self.inputs.budget is None:
             raise SkipRow(
                 "bad_image", "this dataset was built without an image processor (a text-only model)"
             )
@@ -471,27 +338,33 @@ class PromptDataset:
         """The prompt's token ids with `counts` placeholder tokens per image and video (`least`: lower
         bounds, which only tell a prompt that is too long whatever its media's sizes)."""
         try:
-            ids = encode_prompt(self.tokenizer, prompt.messages, counts, video_counts, self.tools)
+            ids = encode_prompt(
+                self.inputs.tokenizer, prompt.messages, counts, video_counts, self.inputs.tools
+            )
         except ValueError as err:  # e.g. a literal image-pad token typed into the question
             raise SkipRow("image_marker_mismatch", str(err)) from None
-        if len(ids) > self.max_prompt_length:
+        if len(ids) > self.cfg.max_prompt_length:
             tokens = f"{'at least ' if least else ''}{len(ids)} tokens"
-            raise SkipRow("prompt_too_long", f"{tokens} > data.max_prompt_length={self.max_prompt_length}")
+            raise SkipRow(
+                "prompt_too_long", f"{tokens} > data.max_prompt_length={self.cfg.max_prompt_length}"
+            )
         return ids
 
     def _prepare(self, index: int, row: dict[str, Any], folder: Path) -> PromptSample:
         prompt = self._text(row)
         sources = prompt.images
-        base = Path(self.image_dir) if self.image_dir else folder
+        base = Path(self.cfg.image_dir) if self.cfg.image_dir else folder
         try:
             images = [load_image(src, base_dir=base) for src in sources]
             self._note_huge(index, images)
-            fitted = [fit_image(image, self.budget, src) for image, src in zip(images, sources, strict=True)]
+            fitted = [
+                fit_image(image, self.inputs.budget, src) for image, src in zip(images, sources, strict=True)
+            ]
         except ImageError as err:
             raise SkipRow("bad_image", str(err)) from None
         videos = self._videos(prompt.videos, base)
-        counts = [num_image_tokens(im.height, im.width, self.budget) for im in fitted]
-        video_counts = [self.video_placeholder(v, self.video_budget) for v in videos or []]
+        counts = [num_image_tokens(im.height, im.width, self.inputs.budget) for im in fitted]
+        video_counts = [self.inputs.video_placeholder(v, self.inputs.video_budget) for v in videos or []]
         sample = PromptSample(
             row_id=index,
             prompt_ids=self._encode(prompt, counts, video_counts, least=False),
@@ -502,9 +375,9 @@ class PromptDataset:
                 ImageSize(original=o.size, model_input=f.size) for o, f in zip(images, fitted, strict=True)
             ],
             extra=self._extra(row),
-            originals=images if self.keep_originals else [],
+            originals=images if self.inputs.keep_originals else [],
         )
-        return with_pixels(sample, videos or [], self.image_processor, self.video_processor)
+        return with_pixels(sample, videos or [], self.inputs.image_processor, self.inputs.video_processor)
 
     def _note_huge(self, index: int, images: list[Image.Image]) -> None:
         """Count images past PIL's decompression-bomb size, logging the first: they are used, but
@@ -522,13 +395,13 @@ class PromptDataset:
                 huge[0].width,
                 huge[0].height,
                 huge[0].width * huge[0].height / 1e6,
-                self.budget.max_pixels if self.budget else 0,
+                self.inputs.budget.max_pixels if self.inputs.budget else 0,
             )
         self.huge_rows[index] = len(huge)
 
     def _video_sources(self, row: dict[str, Any]) -> list[Any] | None:
         """The row's videos as stored (None: the row has no video column)."""
-        sources = lookup(row, self.video_key)
+        sources = lookup(row, self.cfg.video_key)
         if sources is None or (isinstance(sources, list) and not sources):
             return sources
         if not isinstance(sources, list) or not isinstance(sources[0], (str, bytes, dict)):
@@ -539,10 +412,10 @@ class PromptDataset:
         """The videos decoded, sampled and sized."""
         if not sources:
             return sources
-        if self.video_budget is None or self.video_processor is None:
+        if self.inputs.video_budget is None or self.inputs.video_processor is None:
             raise SkipRow("bad_video", "this dataset was built without a video budget and processor")
         try:
-            return [read_video(src, self.video_budget, base_dir=base) for src in sources]
+            return [read_video(src, self.inputs.video_budget, base_dir=base) for src in sources]
         except VideoError as err:
             raise SkipRow("bad_video", str(err)) from None
 
@@ -551,17 +424,17 @@ class PromptDataset:
         key = self.keys[0]
         value = lookup(row, key)
         if isinstance(value, list) and value:
-            text, system = _from_messages(value)
+            text, system = from_messages(value)
         else:
             text, system = value, None
         if not isinstance(text, str) or not text.strip():
             raise SkipRow("missing_prompt", f"column {key!r} is missing, empty or not text or chat messages")
-        return text, system or self.system_prompt
+        return text, system or self.cfg.system_prompt
 
     def _extra(self, row: dict[str, Any]) -> dict[str, Any]:
         """Every column the prompt, answer and images were not read from, plus `extra_info`'s fields
         (a column of the same name wins over a lifted field)."""
-        used = {key if key in row else key.split(".")[0] for key in (*self.keys, self.video_key)}
+        used = {key if key in row else key.split(".")[0] for key in (*self.keys, self.cfg.video_key)}
         extra = {k: v for k, v in row.items() if k not in used}
         lifted = extra.get(LIFTED_COLUMN)
         return {**lifted, **extra} if isinstance(lifted, dict) else extra
@@ -570,50 +443,3 @@ class PromptDataset:
         """Every usable row (validation sets are small enough to hold prepared)."""
         indices = range(len(self) if limit is None else min(limit, len(self)))
         return PreparedRows([s for s in (self.prepare(i) for i in indices) if s is not None], self.skipped)
-
-
-def _check_batch(batch: Any, dataset: PromptDataset, as_json: bool, media: list[str]) -> dict[str, list[Any]]:
-    """`check_rows`' work on a batch of rows (an Arrow table): each row's skip reason and detail
-    (empty when it passes) and whether it names media."""
-    rows = map(json_row, batch["line"].to_pylist()) if as_json else _media_counted(batch, media)
-    out: dict[str, list[Any]] = {"skip": [], "detail": [], "media": []}
-    for row in rows:
-        try:
-            dataset._text(row)
-            reason, detail = "", ""
-        except SkipRow as skip:
-            reason, detail = skip.reason, str(skip)
-        out["skip"].append(reason)
-        out["detail"].append(detail)
-        out["media"].append(dataset.has_media(row))
-    return out
-
-
-def _media_counted(batch: Any, media: list[str]) -> list[dict[str, Any]]:
-    """The rows of an Arrow batch with each media column's values replaced by stand-ins of the same
-    count, read from the list offsets alone: the checks count media but never read them, and this
-    way not a byte of an embedded image is paged in (the pass would otherwise touch the whole file)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    stand_ins: dict[str, list[Any]] = {}
-    for name in media:
-        column = batch[name]
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            # A list of lists is one video given as frames (`_video_sources`): keep that shape.
-            one = [] if pa.types.is_list(column.type.value_type) else "x"
-            lengths = pc.list_value_length(column).to_pylist()
-            stand_ins[name] = [None if n is None else [one] * n for n in lengths]
-        else:
-            stand_ins[name] = ["x" if valid else None for valid in column.is_valid().to_pylist()]
-        batch = batch.drop_columns([name])
-    rows = batch.to_pylist()
-    for name, values in stand_ins.items():
-        for row, value in zip(rows, values, strict=True):
-            row[name] = value
-    return rows
-
-
-def _check_processes(rows: int) -> int | None:
-    processes = min(os.cpu_count() or 1, rows // ROWS_PER_CHECK_PROCESS)
-    return processes if processes > 1 else None

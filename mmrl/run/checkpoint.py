@@ -8,6 +8,7 @@ ignored, so the newest complete checkpoint always wins.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -188,3 +189,15 @@ def load_model_weights(model: Any, folder: Path) -> None:
 
 def load_trainer_state(folder: Path) -> dict[str, Any]:
     return torch.load(folder / "trainer_state.pt", weights_only=False)
+
+
+def save_failure(root: Path, step: int, err: OSError) -> str:
+    """What went wrong writing a checkpoint, what is still safe, and what to do."""
+    cause = "no space left on the device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    newest = latest_checkpoint(root)
+    intact = f"the newest complete one, {newest.name}, is intact" if newest else "there is no earlier one"
+    return (
+        f"step {step}: could not write a checkpoint to {root}: {cause} ({err.filename or err}). "
+        f"The partial write was removed; {intact}. Saving needs room for one checkpoint more than "
+        "trainer.keep_checkpoints; free space there, then run again with --resume."
+    )

@@ -10,7 +10,9 @@ in use; `config_history/from_step_N.yaml` keeps the one each part of the run sta
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +108,49 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, A
 
 def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+
+
+def resumable_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of the run in `run_dir`, after removing writes torn by a crash."""
+    ckpt.remove_torn_writes(run_dir / "checkpoints")
+    return ckpt.latest_checkpoint(run_dir / "checkpoints")
+
+
+def refuse_to_overwrite(run_dir: Path) -> None:
+    """A fresh run must not mix its metrics and checkpoints with an earlier run's."""
+    leftovers = [p for p in (run_dir / "metrics.jsonl", run_dir / "checkpoints") if p.exists()]
+    if leftovers:
+        raise FileExistsError(
+            f"{run_dir} already holds an earlier run ({', '.join(p.name for p in leftovers)}). "
+            "Pass --resume to continue it, or set trainer.output_dir / trainer.experiment_name to a new folder."
+        )
+
+
+def truncate_metrics(path: Path, last_step: int | None) -> int:
+    """Drop metrics.jsonl records after `last_step` (every record for None); returns how many.
+
+    A run killed after its last checkpoint has logged steps that the resumed run does again;
+    kept, they would appear twice. A line torn by the kill goes too. The file is replaced
+    atomically, so dying here loses nothing."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            step = None
+        if step is not None and last_step is not None and step <= last_step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.writelines(kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    return dropped

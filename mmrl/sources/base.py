@@ -19,7 +19,7 @@ import torch
 from mmrl.data.batch import Batch
 from mmrl.rollout.base import RolloutEngine
 from mmrl.run.timing import PhaseTimer
-from mmrl.training.optim import MiniBatch
+from mmrl.training.optim import UpdatePlan
 
 
 @dataclass
@@ -45,16 +45,13 @@ class RolloutSource(Protocol):
     def metrics(self, batch: Batch) -> dict[str, Any]:
         """Where the source stands after the step's rollouts (data cursor, skips, env restarts)."""
 
-    def needs_old_logprobs(self, batch: Batch) -> bool:
-        """Whether the update takes more than one optimizer step over `batch` (then π_old is scored)."""
-
     def advantages(
         self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advantages and returns [rows, response tokens] from the scored batch."""
 
-    def update_plan(self, batch: Batch) -> list[MiniBatch]:
-        """The optimizer steps over the batch's rows."""
+    def update_plan(self, batch: Batch) -> UpdatePlan:
+        """How the batch's rows become optimizer steps (π_old is scored when there is more than one)."""
 
     def validate(self, ctx: StepContext) -> dict[str, Any]:
         """Held-out metrics (`val/accuracy` among them), with the gallery or media they write."""

@@ -23,7 +23,7 @@ from mmrl.errors import ConfigError
 from mmrl.rollout import SamplingParams
 from mmrl.run.checkpoint import rng_devices
 from mmrl.sources.base import StepContext
-from mmrl.training.optim import MiniBatch, plan_minibatches
+from mmrl.training.optim import UpdatePlan
 from mmrl.vla.episodes import Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
@@ -38,7 +38,7 @@ def make_envs(cfg: Any, count: int) -> VectorEnv:
     if not env.num_workers:
         return LocalEnvs(env.task, count, env.options)
     from mmrl.envs.workers import EnvPool
-    from mmrl.workers.group import connect
+    from mmrl.workers.cluster import connect
 
     connect(cfg.trainer.ray_address)
     return EnvPool(
@@ -125,10 +125,6 @@ class EpisodeSource:
     def metrics(self, batch: Batch) -> dict[str, Any]:
         return {"env/restarts": self.envs.restarts}
 
-    def needs_old_logprobs(self, batch: Batch) -> bool:
-        a = self.cfg.actor
-        return a.ppo_epochs > 1 or a.mini_batch_size < self.cfg.data.train_batch_size
-
     def advantages(
         self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,12 +134,11 @@ class EpisodeSource:
             return step_advantages(self.estimator, batch, step_weight=a.step_weight, **options)
         return episode_advantages(self.estimator, batch, **options)
 
-    def update_plan(self, batch: Batch) -> list[MiniBatch]:
+    def update_plan(self, batch: Batch) -> UpdatePlan:
         """`data.train_batch_size / actor.mini_batch_size` optimizer steps per epoch over the decisions."""
         a = self.cfg.actor
         steps = self.cfg.data.train_batch_size // a.mini_batch_size
-        rows = -(-len(batch) // steps)
-        return plan_minibatches(batch, rows, a.ppo_epochs, self.action_tokenizer.n_tokens)
+        return UpdatePlan(-(-len(batch) // steps), a.ppo_epochs, self.action_tokenizer.n_tokens)
 
     def validate(self, ctx: StepContext) -> dict[str, Any]:
         """Success over the fixed evaluation seeds, and a GIF of the first `env.media_episodes`.

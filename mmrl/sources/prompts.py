@@ -27,7 +27,7 @@ from mmrl.algorithms import (
 )
 from mmrl.config import Config
 from mmrl.data.batch import Batch, concat
-from mmrl.data.dataset import PreparedRows, PromptDataset, image_budget
+from mmrl.data.dataset import PreparedRows, PromptDataset, PromptInputs, image_budget
 from mmrl.data.loaders import make_loader
 from mmrl.data.prefetch import PrefetchLoader
 from mmrl.errors import ConfigError
@@ -45,8 +45,8 @@ from mmrl.sources.scoring import (
     reward_label,
     reward_metrics,
 )
-from mmrl.training.actor import needs_old_logprobs, update_plan
-from mmrl.training.optim import MiniBatch
+from mmrl.training.actor import update_plan
+from mmrl.training.optim import UpdatePlan
 from mmrl.training.warmup import format_warmup
 from mmrl.workers.rollout import POLICY_VERSION
 
@@ -203,11 +203,8 @@ class PromptSource:
         return metrics
 
     # ---------------------------------------------------------------- learning
-    def needs_old_logprobs(self, batch: Batch) -> bool:
-        return needs_old_logprobs(self.cfg, len(batch))
-
-    def update_plan(self, batch: Batch) -> list[MiniBatch]:
-        return update_plan(self.cfg, batch)
+    def update_plan(self, batch: Batch) -> UpdatePlan:
+        return update_plan(self.cfg)
 
     def advantages(
         self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
@@ -363,12 +360,9 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
     tok = tokenizer_of(processor)
     agent = agent_prompting(cfg)
     if not family.takes_images:
-        train = PromptDataset.from_config(d.train_files, d, tok, None, None, **agent)
-        val_set = (
-            PromptDataset.from_config(d.val_files, d, tok, None, None, key="val_files", **agent)
-            if d.val_files
-            else None
-        )
+        inputs = PromptInputs(tok, **agent)
+        train = PromptDataset.from_config(d, inputs)
+        val_set = PromptDataset.from_config(d, inputs, key="val_files") if d.val_files else None
         for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
             media = dataset.media_rows() if dataset is not None else 0
             if media:
@@ -395,14 +389,17 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
         )
     except ValueError as err:
         raise ConfigError(f"data.video_*: {err}") from None
-    images = processor.image_processor
-    videos = (video_budget, getattr(processor, "video_processor", None), family.video_placeholder)
-    train = PromptDataset.from_config(d.train_files, d, tok, images, budget, *videos, **agent)
-    val_set = (
-        PromptDataset.from_config(d.val_files, d, tok, images, budget, *videos, key="val_files", **agent)
-        if d.val_files
-        else None
+    inputs = PromptInputs(
+        tok,
+        processor.image_processor,
+        budget,
+        video_budget,
+        getattr(processor, "video_processor", None),
+        family.video_placeholder,
+        **agent,
     )
+    train = PromptDataset.from_config(d, inputs)
+    val_set = PromptDataset.from_config(d, inputs, key="val_files") if d.val_files else None
     return train, _prepared_val(val_set, d.max_val_samples)
 
 

@@ -33,11 +33,11 @@ from mmrl.processors import TRANSFORMERS_RULE
 from mmrl.training.micro_batches import Layout, micro_batches, micro_layout, scatter_rows
 from mmrl.training.optim import (
     MiniBatch,
+    UpdatePlan,
     UpdateStats,
     make_optimizer,
     minibatch_updates,
     per_minibatch,
-    plan_minibatches,
 )
 from mmrl.training.packing import pack, unpack
 
@@ -363,16 +363,7 @@ def needs_reference(cfg: Config) -> bool:
     return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
 
 
-def needs_old_logprobs(cfg: Config, num_rows: int) -> bool:
-    """Old log-probs equal the current ones (detached) when the batch is used for exactly one
-    optimizer step, so the extra forward pass is skipped then."""
-    mini_rows = cfg.actor.mini_batch_size * cfg.rollout.n
-    return cfg.actor.ppo_epochs > 1 or num_rows > mini_rows
-
-
-def update_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:
+def update_plan(cfg: Config) -> UpdatePlan:
     """`actor.ppo_epochs` shuffles cut into mini-batches of `actor.mini_batch_size` prompts' responses."""
     a = cfg.actor
-    return plan_minibatches(
-        batch, a.mini_batch_size * cfg.rollout.n, a.ppo_epochs, cfg.rollout.max_new_tokens
-    )
+    return UpdatePlan(a.mini_batch_size * cfg.rollout.n, a.ppo_epochs, cfg.rollout.max_new_tokens)

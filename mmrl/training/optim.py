@@ -91,6 +91,24 @@ class MiniBatch:
     micro: Layout | None = None
 
 
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How a batch becomes optimizer steps: `epochs` shuffles cut into mini-batches of `rows` rows.
+
+    Its length is known before the shuffle, so whether the update needs π_old's log-probs (more than one
+    optimizer step: after the first, the policy is no longer π_old) follows from it."""
+
+    rows: int
+    epochs: int
+    horizon: int  # the longest response, for the length-normalised losses
+
+    def steps(self, num_rows: int) -> int:
+        return self.epochs * -(-num_rows // self.rows)
+
+    def minibatches(self, batch: Batch) -> list[MiniBatch]:
+        return plan_minibatches(batch, self.rows, self.epochs, self.horizon)
+
+
 def plan_minibatches(batch: Batch, rows_per_step: int, epochs: int, horizon: int) -> list[MiniBatch]:
     """`epochs` shuffles of the batch cut into mini-batches of `rows_per_step` rows, in step order."""
     plan = []

@@ -21,10 +21,13 @@ from mmrl.data.batch import Batch, concat
 from mmrl.data.sample import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.rollout import SamplingParams, resolve_engine
+from mmrl.training.actor import needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
 from mmrl.training.optim import MiniBatch, UpdateStats
+from mmrl.workers.cluster import connect
 from mmrl.workers.policy import PolicyWorker
+from mmrl.workers.remote import RemoteRollout
 
 log = logging.getLogger("mmrl.workers")
 PLACEMENT_TIMEOUT_S = 120.0
@@ -38,14 +41,6 @@ def _error(ref: Any) -> Exception | None:
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
         return err
     return None
-
-
-def connect(address: str | None) -> None:
-    """Join the Ray cluster at `address` ('auto' finds one started with `ray start`), or start a local
-    one with every CPU and GPU of this machine."""
-    if ray.is_initialized():
-        return
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
 def _describe(nodes: list[dict[str, Any]]) -> str:
@@ -174,7 +169,8 @@ def _real(count: int, world: int) -> list[int]:
 
 class PolicyGroup:
     """The actor/rollout workers as the controller sees them: an engine (`generate`) and an actor
-    (`logprobs`, `update`) whose batches are split across ranks and gathered back in order."""
+    (`logprobs`, `update`) whose batches are split across ranks and gathered back in order. It has the
+    methods of `mmrl.workers.local.LocalPolicy`, so the loop reads the same wherever the policy runs."""
 
     def __init__(self, cfg: Config) -> None:
         self.logprobs_are_free = resolve_engine(cfg.rollout.engine) == "vllm"
@@ -190,6 +186,15 @@ class PolicyGroup:
         world, ip = len(self.group), self.group.places[0]["ip"]
         self.group.run("setup", [(cfg, rank, world, ip, port) for rank in range(world)], what="startup")
         self.critic = CriticRole(self) if needs_critic(cfg) else None  # GAE: its shards on the same ranks
+        self.has_reference = needs_reference(cfg)  # each rank holds its shard of it
+        # Overlapped: a rollout worker of its own, fed the whole weights gathered from the shards.
+        self.engine: Any = self
+        if cfg.rollout.max_staleness:
+            try:
+                self.engine = RemoteRollout(cfg, self.merged_weights)
+            except BaseException:
+                self.group.shutdown()
+                raise
 
     @property
     def world(self) -> int:
@@ -317,14 +322,23 @@ class PolicyGroup:
         """Sharded weights and optimizer state into `folder` (`PolicyWorker.save`)."""
         self.group.run("save", [(folder,)] * self.world, "checkpoint save")
 
-    def load(self, folder: Path) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing for the controller's trainer state: each rank saves its own shards (`save`)."""
+        return {}
+
+    def load(self, folder: Path, state: dict[str, Any] | None = None) -> None:
+        """Every rank restores its shards of the weights, AdamW state and critic from `folder`."""
         self.group.run("load", [(folder,)] * self.world, "checkpoint load")
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.group.run("state", [()] * self.world)[0]
 
     def shutdown(self) -> None:
-        self.group.shutdown()
+        try:
+            if self.engine is not self:
+                self.engine.shutdown()
+        finally:
+            self.group.shutdown()
 
 
 class CriticRole:

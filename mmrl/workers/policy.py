@@ -22,14 +22,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from mmrl.config import Config
 from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
-from mmrl.models import SHARDED_MARKER, family_of, load_policy, load_processor, resolve_dtype, tokenizer_of
+from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
 from mmrl.training.actor import build_actor, needs_reference
 from mmrl.training.critic import needs_critic
-from mmrl.training.lora import apply_lora, merged_state
+from mmrl.training.lora import merged_state
 from mmrl.training.micro_batches import Layout
 from mmrl.training.optim import MiniBatch, UpdateStats, apply_settings
+from mmrl.training.setup import add_adapters, load_trainable, reference_logprobs
 from mmrl.workers.critic import load_critic, save_critic, sharded_critic
 from mmrl.workers.fsdp import full_state_dict, init_process_group, load_sharded, save_sharded, shard_policy
 
@@ -59,13 +60,9 @@ class PolicyWorker:
         device = init_process_group(rank, world_size, address, port, cfg.trainer.dist_timeout_s)
         torch.manual_seed(cfg.trainer.seed)  # LoRA's random A matrices must be equal on every rank
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device.type)
-        model = load_policy(cfg.model.path, torch.float32)
+        model = load_trainable(cfg.model.path, cfg)
         processor = load_processor(cfg.model.path)
-        if cfg.model.freeze_vision_tower:
-            family_of(model).freeze_vision(model)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.peft = apply_lora(model, cfg.model.lora) if cfg.model.lora.rank else None
+        self.peft = add_adapters(model, cfg, cfg.model.path)
         self.model = shard_policy(model, self.compute_dtype, cfg.actor.offload)
         if not cfg.actor.offload:
             self.model.to(device)
@@ -114,10 +111,7 @@ class PolicyWorker:
         return self.actor.logprobs(batch, layout=layout)
 
     def ref_logprobs(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
-        if self.peft is not None:  # LoRA: the base model is the policy without its adapter
-            with self.peft.disable_adapter():
-                return self.actor.logprobs(batch, layout=layout)
-        return self.actor.logprobs(batch, self.ref, layout)
+        return reference_logprobs(self.actor, batch, self.peft, self.ref, layout)
 
     def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
         return self.actor.update(batch, plan)

@@ -58,7 +58,7 @@ class RemoteRollout:
         """`weights()`: the trainer's whole current weights, LoRA merged, under the plain model's names, or
         a Ray reference to them (`mmrl.training.lora.merged_weights` in this process, `PolicyGroup.merged_weights`
         from FSDP workers)."""
-        from mmrl.workers.group import connect  # Ray is imported only by runs that use it
+        from mmrl.workers.cluster import connect
 
         connect(cfg.trainer.ray_address)
         self.cfg, self.current_weights = cfg, weights

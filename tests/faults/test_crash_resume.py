@@ -34,7 +34,7 @@ from faultkit import (
 )
 
 from mmrl.run import checkpoint as ckpt
-from mmrl.trainer import truncate_metrics
+from mmrl.run.resume import truncate_metrics
 
 STEPS = 8
 SAVE = ["trainer.save_every=2", "trainer.keep_checkpoints=3"]

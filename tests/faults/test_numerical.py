@@ -59,9 +59,9 @@ def _training_state(trainer: Trainer) -> dict[str, Any]:
     """A copy of everything an update may change: weights, optimizer moments and groups, schedule."""
     return copy.deepcopy(
         {
-            "weights": trainer.model.state_dict(),
-            "optimizer": trainer.actor.optimizer.state_dict(),
-            "scheduler": trainer.actor.scheduler.state_dict(),
+            "weights": trainer.policy.model.state_dict(),
+            "optimizer": trainer.policy.actor.optimizer.state_dict(),
+            "scheduler": trainer.policy.actor.scheduler.state_dict(),
         }
     )
 

@@ -1,0 +1,36 @@
+"""The policy model's section: what is loaded, in which precision, and which weights train."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mmrl.config.base import Section
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) instead of full fine-tuning; the KL reference is then the base model with
+    the adapter switched off, so no second copy of the weights is held."""
+
+    rank: int = Field(0, ge=0, description="0 trains all weights (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(
+        None,
+        description="Linear layer names (q_proj, ...); default: every linear layer of the language model",
+    )
+    include_vision: bool = Field(False, description="Also adapt the vision tower's linear layers")
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        description="A model folder or hub id of a supported family (README), or `mmrl model init-tiny` output"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    freeze_vision_tower: bool = False
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute layer activations in the backward pass: less memory, about 30% more time",
+    )
+    lora: LoraConfig = LoraConfig()

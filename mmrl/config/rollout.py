@@ -1,0 +1,75 @@
+"""The rollout sections: the engine that generates responses and how it samples them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mmrl.config.base import Section
+
+
+class SamplingConfig(Section):
+    n: int = Field(1, gt=0, description="Responses per prompt")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 disables top-k")
+
+
+class ValSamplingConfig(SamplingConfig):
+    """Validation sampling: greedy, one answer per prompt, unless set otherwise."""
+
+    n: int = Field(1, gt=0)
+    temperature: float = Field(0.0, ge=0.0)
+
+
+class VLLMConfig(Section):
+    """The vLLM engine (rollout.engine=vllm): colocated with training in the same process."""
+
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Share of GPU memory vLLM may take")
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    max_model_len: int = Field(4096, gt=0, description="Prompt + response tokens per sequence")
+    enforce_eager: bool = Field(False, description="Skip CUDA graphs: slower decoding, faster start")
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Ranks one engine spans: each group of this many consecutive Ray workers runs one engine "
+        "with the weights split between them (vLLM's external launcher) and generates the same prompts",
+    )
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (GPUs use the memory share)")
+    sleep_between_rollouts: bool = Field(
+        True, description="Give the engine's GPU memory back while training (CUDA only; no-op on CPU)"
+    )
+    sleep_level: Literal[1, 2] = Field(
+        2,
+        description="1: free the KV cache and move the weights to host memory; 2: free both (the weights "
+        "come back from the policy at the next sync, so no host copy of them is kept)",
+    )
+    verify_sync_every: int = Field(
+        10, ge=0, description="Check vLLM's log-probs against the trainer's every N weight syncs; 0 never"
+    )
+
+
+class RolloutConfig(Section):
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="auto: vLLM where it is installed, else the HF transformers engine"
+    )
+    vllm: VLLMConfig = VLLMConfig()
+    n: int = Field(5, gt=0, description="Responses per prompt (the GRPO group size)")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    max_new_tokens: int = Field(512, gt=0, description="Response length budget in tokens")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="0: generate, then train (synchronous). K > 0: a rollout worker of its own generates "
+        "the next K batches while the trainer updates, each sampled by a policy at most K updates old; "
+        "needs actor.rollout_correction",
+    )
+    worker_cpus: int = Field(
+        1,
+        gt=0,
+        description="With max_staleness > 0: CPU cores of the rollout worker (the trainer keeps the rest)",
+    )
+    val: ValSamplingConfig = ValSamplingConfig()

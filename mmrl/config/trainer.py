@@ -1,0 +1,63 @@
+"""The trainer section: the run's length, its checkpoints and loggers, and where its workers run."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mmrl.config.base import Section
+
+
+class TrainerConfig(Section):
+    total_steps: int = Field(100, gt=0)
+    val_every: int = Field(10, ge=0, description="0 disables periodic validation")
+    val_before_train: bool = True
+    save_every: int = Field(0, ge=0, description="0 saves only at the end")
+    keep_checkpoints: int = Field(2, gt=0)
+    max_consecutive_bad_steps: int = Field(
+        3,
+        gt=0,
+        description="Steps in a row whose every update had a non-finite gradient before the run stops "
+        "(after saving the last good state)",
+    )
+    output_dir: str = "runs/{experiment_name}"
+    experiment_name: str = "mmrl"
+    device: str = "auto"
+    seed: int = 1
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
+        ["console", "jsonl", "tensorboard"]
+    )
+    progress: bool = True
+    gallery_samples: int = Field(32, ge=0, description="Validation samples per gallery page; 0 writes none")
+    nnodes: int = Field(1, gt=0, description="Nodes of the Ray cluster that run actor workers")
+    n_gpus_per_node: int = Field(
+        1,
+        gt=0,
+        description="Actor workers per node, one GPU each; on machines without GPUs each takes "
+        "trainer.cpus_per_worker CPU cores. nnodes x n_gpus_per_node > 1 trains with FSDP2 across Ray workers",
+    )
+    cpus_per_worker: int = Field(1, gt=0)
+    ray_address: str | None = Field(
+        None,
+        description="Join a running Ray cluster ('auto', or the head's host:port from `ray start --head`); "
+        "unset starts a local one when workers are used",
+    )
+    dist_timeout_s: float = Field(600.0, gt=0, description="How long a collective waits for a silent rank")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def uses_workers(self) -> bool:
+        """Ray worker groups (and FSDP2) instead of training inside the controller's process."""
+        return self.world_size > 1 or self.ray_address is not None
+
+    def torch_device(self) -> str:
+        """`device`, with "auto" resolved to cuda where a GPU is visible."""
+        import torch
+
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"

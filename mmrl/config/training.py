@@ -1,0 +1,150 @@
+"""The training sections: the advantage estimator, the actor's and critic's losses and optimizers, and
+the format warm-up before RL."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mmrl.config.base import Section
+
+KLEstimatorName = Literal[
+    "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"
+]  # the names in mmrl.algorithms.KL_ESTIMATORS
+
+
+class KLControlConfig(Section):
+    """β for the KL reward penalty: fixed, or adapted towards `target_kl` (Ziegler et al. 2019)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0, description="β, or its starting value when adaptive")
+    target_kl: float = Field(0.1, gt=0, description="Adaptive only: the KL β steers towards")
+    horizon: int = Field(10000, gt=0, description="Adaptive only: samples over which β may change ~e-fold")
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD")
+    step_weight: float = Field(
+        1.0, ge=0, description="GiGPO's ω: the weight of the step-level advantage beside the episode's"
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal and sample more prompts"
+    )
+    max_num_gen_batches: int = Field(
+        4, gt=0, description="Dynamic sampling: prompt batches generated at most per step"
+    )
+    on_unfilled: Literal["fail", "continue"] = Field(
+        "continue", description="Dynamic sampling: after max_num_gen_batches, stop or train a partial batch"
+    )
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment over the last N tokens; 0 disables"
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    mask_truncated: bool = Field(False, description="Leave responses cut at max_new_tokens out of the loss")
+    use_kl_in_reward: bool = Field(False, description="Charge −β·KL(π_old ‖ π_ref) as a token reward")
+    kl_penalty: KLEstimatorName = "k1"
+    kl_ctrl: KLControlConfig = KLControlConfig()
+
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+class OptimSection(Section):
+    """AdamW and its schedule: linear warm-up over `warmup_steps` optimizer steps, then constant
+    or cosine decay to `min_lr_ratio`·lr."""
+
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up")
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr")
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class ActorConfig(OptimSection):
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward pass")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="Instead of micro_batch_size: rows packed by length into forwards of at most this many "
+        "padded tokens (rows x (longest prompt + longest response)), balanced by tokens across workers; "
+        "the gradient is the same. Also the critic's",
+    )
+    padding_free: bool = Field(
+        False,
+        description="Actor, reference and critic forwards run each micro-batch's sequences packed into "
+        "one, without padding (no compute on pad tokens when response lengths vary); same log-probs. For "
+        "GPUs (flash-attention varlen): on CPUs the dense mask costs more than the padding saved",
+    )
+    policy_loss: str = "ppo_clip"
+    rollout_correction: str | None = Field(
+        None,
+        description="Correct for the engine that sampled not being the trainer's old policy (vLLM's "
+        "kernels, precision): each token's advantage is weighted by pi_old/pi_rollout, tis (truncated per "
+        "token), seq_tis (per sequence), mis or seq_mis (masked outside [1/C, C]), or path/to/file.py:function. "
+        "The engine's log-probs are then always recorded",
+    )
+    rollout_correction_cap: float = Field(2.0, gt=1.0, description="C of actor.rollout_correction")
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    loss_agg_mode: LossAggMode = "token-mean"
+    use_kl_loss: bool = True
+    kl_loss_coef: float = Field(0.01, ge=0)
+    kl_loss_type: KLEstimatorName = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0)
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Mixture-of-experts models: weight of the router's load-balancing loss (0: off, "
+        "as in EasyR1 and verl; 0.001 is the pre-training value)",
+    )
+    offload: bool = Field(
+        False,
+        description="With Ray workers (FSDP2): keep parameters, gradients and AdamW state in CPU memory",
+    )
+
+
+class CriticConfig(OptimSection):
+    """The learned value function of `algorithm.adv_estimator=gae` (PPO): the policy's architecture
+    with a scalar value head, trained on the same mini-batches as the actor."""
+
+    model_path: str | None = Field(
+        None, description="Where its trunk starts; default: the policy's start (after any format warm-up)"
+    )
+    lr: float = Field(1e-5, gt=0)
+    ppo_epochs: int | None = Field(None, gt=0, description="Default: actor.ppo_epochs")
+    cliprange_value: float = Field(0.5, gt=0, description="PPO value clipping: V moves at most this far")
+    loss_agg_mode: LossAggMode = "token-mean"
+    pretrain_steps: int = Field(
+        0, ge=0, description="Critic warm-up: the first N steps train only the critic, the actor waits"
+    )
+
+
+class WarmupConfig(Section):
+    """Supervised format warm-up: targets are answers shuffled across rows, so the model learns
+    the answer *format* and answer vocabulary, never the image-to-answer mapping."""
+
+    steps: int = Field(0, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(32, gt=0)
+    target_template: str = "<answer>{answer}</answer>"
+    turns: list[str] | None = Field(
+        None,
+        description="Agent runs: the assistant turns of each warm-up trajectory, in order; their tool calls "
+        "run for real. {answer} is a shuffled answer, and each {key} of `fill` one of its values at random",
+    )
+    fill: dict[str, list[str]] = Field({}, description="Values drawn at random for `turns`' {key}s")
+    expert_noise: float | None = Field(
+        None,
+        ge=0,
+        description="Games: each turn's {move} is the task's scripted expert's move under this action noise "
+        "(`mmrl.envs.experts`), a behaviour-cloning start instead of a format-only one",
+    )
