@@ -225,6 +225,7 @@ def prepare(args: argparse.Namespace, root: Path) -> Path:
             [
                 *data_overrides(start, data_dir, root / "warmup-run", args.image_size),
                 f"warmup.steps={args.warmup_steps}",
+                f"trainer.seed={args.seed}",
             ],
         )
         trainer = Trainer(cfg)  # runs the format warm-up as it starts, into its run's warmup_model/

@@ -74,23 +74,25 @@ def test_lora_run_keeps_the_base_saves_a_peft_adapter_and_resumes_exactly(tmp_pa
     straight.fit()
 
     # The reference is the policy object itself, read with the adapter off: no second copy.
-    assert straight.ref is straight.model
+    assert straight.policy.ref is None and straight.policy.peft is not None  # no second copy
     base = load_policy(tmp_path / "a" / "warmup_model")
     batch = straight.engine.generate(
         straight.source.train_set.prepare_all(limit=4), straight.source.sampling(straight.engine)
     )
-    reference = straight._ref_logprobs(batch)
-    expected = straight.actor.logprobs(batch, base)
+    reference = straight.policy.ref_logprobs(batch)
+    expected = straight.policy.actor.logprobs(batch, base)
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
-    assert not torch.allclose(straight.actor.logprobs(batch), expected, atol=1e-3)
+    assert not torch.allclose(straight.policy.actor.logprobs(batch), expected, atol=1e-3)
 
     # Base weights untouched; the adapters moved.
     merged_names = {
-        n.replace(".base_layer.", "."): p for n, p in straight.model.state_dict().items() if ".lora_" not in n
+        n.replace(".base_layer.", "."): p
+        for n, p in straight.policy.model.state_dict().items()
+        if ".lora_" not in n
     }
     for name, value in base.state_dict().items():
         torch.testing.assert_close(merged_names[name], value, rtol=0, atol=0)
-    lora_b = [p for n, p in straight.model.named_parameters() if "lora_B" in n]
+    lora_b = [p for n, p in straight.policy.model.named_parameters() if "lora_B" in n]
     assert any(p.abs().max() > 0 for p in lora_b)
 
     # The checkpoint holds the adapter in peft's format, and plain transformers loads it.
@@ -100,9 +102,9 @@ def test_lora_run_keeps_the_base_saves_a_peft_adapter_and_resumes_exactly(tmp_pa
     plain = load_with_adapter(model_dir).eval()
     ids = torch.tensor([[5, 17, 42, 99, 7]])
     with torch.no_grad():
-        straight.model.eval()
+        straight.policy.model.eval()
         torch.testing.assert_close(
-            plain(input_ids=ids).logits, straight.model(input_ids=ids).logits, rtol=0, atol=1e-5
+            plain(input_ids=ids).logits, straight.policy.model(input_ids=ids).logits, rtol=0, atol=1e-5
         )
 
     # `mmrl export` merges the adapter: a plain checkpoint with the same outputs and no peft files.
@@ -111,7 +113,7 @@ def test_lora_run_keeps_the_base_saves_a_peft_adapter_and_resumes_exactly(tmp_pa
     exported = load_policy(tmp_path / "exported").eval()
     with torch.no_grad():
         torch.testing.assert_close(
-            exported(input_ids=ids).logits, straight.model(input_ids=ids).logits, rtol=0, atol=1e-5
+            exported(input_ids=ids).logits, straight.policy.model(input_ids=ids).logits, rtol=0, atol=1e-5
         )
 
     # Stopped at step 2 and resumed: the same adapter as the uninterrupted run.
@@ -147,7 +149,9 @@ def test_lora_reaches_vllm_by_merge_and_sync_without_touching_the_base(tmp_path,
     assert all(r["actor/rollout_logprob_diff"] < 1e-3 for r in records)
     base = load_policy(tmp_path / "v" / "warmup_model").state_dict()
     ours = {
-        n.replace(".base_layer.", "."): p for n, p in trainer.policy.model.state_dict().items() if ".lora_" not in n
+        n.replace(".base_layer.", "."): p
+        for n, p in trainer.policy.model.state_dict().items()
+        if ".lora_" not in n
     }
     assert all(
         torch.equal(ours[name], value) for name, value in base.items()
