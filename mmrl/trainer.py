@@ -16,7 +16,7 @@ from rich.console import Console
 from transformers import AutoConfig
 
 from mmrl.config import Config
-from mmrl.data.batch import Batch
+from mmrl.data.batch import response_metrics, token_count
 from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
 from mmrl.models import load_processor, tokenizer_of
 from mmrl.run import checkpoint as ckpt
@@ -34,7 +34,7 @@ from mmrl.run.signals import RunInterrupted, StopSignals
 from mmrl.run.timing import PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
-from mmrl.training.critic import critic_plan
+from mmrl.training.critic import critic_plan, update_critic
 from mmrl.workers.placement import Policy, place_policy
 
 log = logging.getLogger("mmrl.trainer")
@@ -202,12 +202,12 @@ class Trainer:
         with timer("advantage"):
             advantages, returns = self.source.advantages(batch, metrics, ctx)
             batch.set(advantages=advantages, returns=returns)
-        metrics.update(_response_metrics(batch))
+        metrics.update(response_metrics(batch))
         if algo.mask_truncated:  # after the advantages, so a truncated response still counts in its group
             batch.set(response_mask=batch["response_mask"] * ~batch["truncated"][:, None])
         if self.critic is not None:
             with timer("critic"):
-                metrics.update(self._update_critic(batch))
+                metrics.update(update_critic(self.critic, critic_plan(self.cfg, batch), batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
                 stats = self.policy.update(batch, plan.minibatches(batch))
@@ -224,7 +224,7 @@ class Trainer:
                     stats.skipped_steps,
                     stats.steps,
                 )
-        metrics.update(timer.metrics(tokens=_token_count(batch)))
+        metrics.update(timer.metrics(tokens=token_count(batch)))
         return metrics
 
     def _small_state(self) -> dict[str, Any]:
@@ -336,29 +336,3 @@ class Trainer:
                 f"up to the last save are intact in {self.run_dir / 'checkpoints'}; fix the cause and run "
                 "again with --resume."
             ) from err
-
-    def _update_critic(self, batch: Batch) -> dict[str, Any]:
-        """One critic update on the actor's mini-batches; returns its metrics."""
-        assert self.critic is not None
-        stats = self.critic.update(batch, critic_plan(self.cfg, batch))
-        mask = batch["response_mask"].bool()
-        metrics = dict(stats.metrics)
-        metrics["critic/returns_mean"] = float(batch["returns"][mask].mean()) if mask.any() else 0.0
-        metrics["critic/values_mean"] = float(batch["values"][mask].mean()) if mask.any() else 0.0
-        metrics["critic/skipped_updates"] = stats.skipped_steps
-        return metrics
-
-
-def _token_count(batch: Batch) -> int:
-    prompt_tokens = sum(len(batch.prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
-    return prompt_tokens + int(batch.attention.sum())  # tool responses between turns are computed too
-
-
-def _response_metrics(batch: Batch) -> dict[str, float]:
-    lengths = batch["response_mask"].sum(dim=1).float()
-    return {
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_frac": float(batch["truncated"].float().mean()),
-        "prompt_length/mean": float(np.mean([len(p.prompt_ids) for p in batch.prompts])),
-    }

@@ -34,7 +34,7 @@ from mmrl.data.sample import PromptSample
 from mmrl.processors import PixelBudget, fit_image, num_image_tokens, pixel_inputs
 from mmrl.processors.chat import expand_pads, tool_response_text
 from mmrl.rewards import ImageSize
-from mmrl.rollout.base import RolloutEngine, SamplingParams
+from mmrl.rollout.base import GeneratesAtOnce, RolloutEngine, SamplingParams
 
 log = logging.getLogger("mmrl.agent")
 
@@ -173,7 +173,7 @@ def _size(seen: SeenImage) -> ImageSize:
     return ImageSize(original=seen.original.size, model_input=seen.model_size)
 
 
-class AgentEngine:
+class AgentEngine(GeneratesAtOnce):
     """A rollout engine whose responses are multi-turn trajectories, each turn answered by `responder`
     (tool calls or a game; see the module)."""
 

@@ -10,7 +10,7 @@ import torch
 
 from mmrl.data.batch import Batch, right_pad
 from mmrl.data.sample import PromptSample
-from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
 
 SCRIPT = "warmup_script"  # a warm-up prompt's `extra` key: the assistant turns it is answered with
 
@@ -28,7 +28,7 @@ class Script:
         return self.turns[min(self.given, len(self.turns)) - 1]
 
 
-class ScriptedEngine:
+class ScriptedEngine(GeneratesAtOnce):
     """A rollout engine that answers each prompt with the next turn of its script (`extra[SCRIPT]`)."""
 
     logprobs_are_free = True

@@ -114,3 +114,21 @@ def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts)
     width = max(p.shape[1] for p in parts)
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+
+def token_count(batch: Batch) -> int:
+    """Tokens the step computed: every row's prompt and its attended positions (tool responses between
+    turns included), the throughput metrics' numerator."""
+    prompt_tokens = sum(len(batch.prompts[i].prompt_ids) for i in batch["prompt_index"].tolist())
+    return prompt_tokens + int(batch.attention.sum())
+
+
+def response_metrics(batch: Batch) -> dict[str, float]:
+    """Response and prompt lengths, and how many responses hit the length limit."""
+    lengths = batch["response_mask"].sum(dim=1).float()
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_frac": float(batch["truncated"].float().mean()),
+        "prompt_length/mean": sum(len(p.prompt_ids) for p in batch.prompts) / len(batch.prompts),
+    }

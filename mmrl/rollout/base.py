@@ -43,8 +43,42 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch: ...
 
+    def submit(self, prompts: list[PromptSample], params: SamplingParams) -> Generation:
+        """Start generating; `result()` of the returned generation waits for the batch. An engine that
+        generates ahead (a rollout worker of its own) returns at once; the others finish first."""
+
+    def rollout_metrics(self, batch: Batch) -> dict[str, float]:
+        """What the engine knows of a batch it generated (an overlapped run: its staleness)."""
+
     def sync_weights(self) -> None:
         """Make the engine generate with the trainer's current weights."""
 
     def sleep(self) -> None:
         """Free generation memory (the KV cache) while training; the next call wakes it."""
+
+
+class Generation(Protocol):
+    """A generation that `RolloutEngine.submit` started."""
+
+    def result(self) -> Batch: ...
+
+
+@dataclass
+class Finished:
+    """A generation already done, handed out as one in flight would be."""
+
+    batch: Batch
+
+    def result(self) -> Batch:
+        return self.batch
+
+
+class GeneratesAtOnce:
+    """`submit` and `rollout_metrics` for an engine that generates when asked, so that callers treat
+    every engine like the rollout worker that generates ahead (`mmrl.workers.remote.RemoteRollout`)."""
+
+    def submit(self, prompts: list[PromptSample], params: SamplingParams) -> Finished:
+        return Finished(self.generate(prompts, params))  # type: ignore[attr-defined]
+
+    def rollout_metrics(self, batch: Batch) -> dict[str, float]:
+        return {}

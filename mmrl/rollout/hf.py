@@ -11,7 +11,7 @@ from mmrl.algorithms import block_tokens, logprobs_from_logits
 from mmrl.data.batch import Batch, left_pad
 from mmrl.data.sample import PromptSample, vision_inputs
 from mmrl.models import autocast_for, family_of, never_generated_ids, tokenizer_of
-from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
 
 
 def _expands_media_per_item(model: Any, prompts: list[PromptSample]) -> bool:
@@ -23,7 +23,7 @@ def _expands_media_per_item(model: Any, prompts: list[PromptSample]) -> bool:
     return not has_media or "image" in getattr(type(model), "input_modalities", ("image",))
 
 
-class HFEngine:
+class HFEngine(GeneratesAtOnce):
     """`model.generate` over left-padded prompts; placeholders can never be sampled."""
 
     logprobs_are_free = False  # they cost a (B, V) logits tensor per step

@@ -33,7 +33,7 @@ from mmrl.data.sample import POSITION_RULE, PromptSample
 from mmrl.models import family_of, model_folder, never_generated_ids, tokenizer_of
 from mmrl.processors import PositionRule, Video, keep_frames_kwargs
 from mmrl.rollout import cpu_shm
-from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
 from mmrl.training.lora import merged_state
 
 log = logging.getLogger("mmrl.rollout.vllm")
@@ -99,7 +99,7 @@ def video_item(video: Video) -> tuple[Any, dict[str, Any]]:
     return video.frames, metadata
 
 
-class VLLMEngine:
+class VLLMEngine(GeneratesAtOnce):
     """Generates with vLLM; `sync_weights` streams the policy's weights in and verifies them."""
 
     logprobs_are_free = True

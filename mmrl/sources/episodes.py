@@ -22,7 +22,7 @@ from mmrl.envs.vector import LocalEnvs, VectorEnv
 from mmrl.errors import ConfigError
 from mmrl.rollout import SamplingParams
 from mmrl.run.checkpoint import rng_devices
-from mmrl.sources.base import StepContext
+from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.training.optim import UpdatePlan
 from mmrl.vla.episodes import Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
@@ -70,9 +70,10 @@ def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: in
     return ActionTokenizer.for_vocab(vocab_size, action_dim, n_bins=cfg.env.n_bins, chunk=cfg.env.chunk)
 
 
-class EpisodeSource:
+class EpisodeSource(RolloutSource):
     """Simulator episodes as a rollout source: rewards are returns, validation is a success rate, and a
-    checkpoint's model folder carries the action tokenizer."""
+    checkpoint's model folder carries the action tokenizer. It keeps no state of its own in a checkpoint:
+    a step's seeds follow from the step number."""
 
     def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
         self.cfg = cfg
@@ -162,12 +163,6 @@ class EpisodeSource:
 
     def warmup(self, model: Any, tokenizer: Any, seed: int) -> list[float]:
         raise ConfigError("episode runs start from demonstrations (`mmrl sft`), not a format warm-up")
-
-    def state(self) -> dict[str, Any]:
-        return {}  # a step's seeds follow from the step number
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        return None
 
     def save_files(self, model_folder: Path) -> None:
         save_action_tokenizer(self.action_tokenizer, model_folder)

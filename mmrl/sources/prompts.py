@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from mmrl.rewards import RewardInput, RewardManager
 from mmrl.rollout.base import SamplingParams
 from mmrl.run.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.sources import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
-from mmrl.sources.base import StepContext
+from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.scoring import (
     FailingRewards,
     generate_and_score,
@@ -48,7 +47,6 @@ from mmrl.sources.scoring import (
 from mmrl.training.actor import update_plan
 from mmrl.training.optim import UpdatePlan
 from mmrl.training.warmup import format_warmup
-from mmrl.workers.rollout import POLICY_VERSION
 
 log = logging.getLogger("mmrl.sources.prompts")
 
@@ -60,7 +58,7 @@ class UnfilledBatchError(ConfigError):
     """Dynamic sampling ran out of generation rounds with `algorithm.on_unfilled=fail`."""
 
 
-class PromptSource:
+class PromptSource(RolloutSource):
     """Prompt rows, their loader, the reward functions that grade the answers, and the KL controller
     of a KL charged in the reward (its coefficient is part of the source's checkpointed state)."""
 
@@ -165,21 +163,12 @@ class PromptSource:
             with ctx.timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
                 prompts = self.loader.next_batch()  # data without a usable row is no engine failure
             with ctx.timer("rollout"), ctx.guard("rollout"):
-                submit = getattr(ctx.engine, "submit", None)  # a rollout worker's, which returns at once
-                params = self.sampling(ctx.engine)
-                pending = submit(prompts, params) if submit else _Ready(ctx.engine.generate(prompts, params))
+                pending = ctx.engine.submit(prompts, self.sampling(ctx.engine))
             self.in_flight.append((self.loader.source_state(), pending))
         self.drawn_state, pending = self.in_flight.popleft()
         with ctx.timer("rollout"), ctx.guard("rollout"):
             batch = pending.result()
-        if POLICY_VERSION not in batch:
-            return batch, {}
-        staleness = (ctx.engine.version - batch[POLICY_VERSION]).float()
-        return batch, {
-            "rollout/staleness_mean": float(staleness.mean()),
-            "rollout/staleness_max": float(staleness.max()),
-            "rollout/worker_restarts": ctx.engine.restarts,
-        }
+        return batch, ctx.engine.rollout_metrics(batch)
 
     def score(self, batch: Batch, prefix: str, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
         result = self.rewards.score(reward_inputs(batch))
@@ -295,9 +284,6 @@ class PromptSource:
         self.drawn_state = self.loader.source_state()
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
 
-    def save_files(self, model_folder: Path) -> None:
-        return None  # the weights and the processor are all a prompt policy needs
-
     def close(self) -> None:
         self.loader.close()
         self.rewards.close()
@@ -325,16 +311,6 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
     also when tool responses lie between the policy's turns."""
     columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
     return ((mask > 0) * columns).amax(dim=1).sub(1).clamp(min=0)
-
-
-class _Ready:
-    """A generation already done, handed out like one in flight."""
-
-    def __init__(self, batch: Batch) -> None:
-        self.batch = batch
-
-    def result(self) -> Batch:
-        return self.batch
 
 
 def make_kl_controller(cfg: Config) -> KLController:

@@ -191,3 +191,14 @@ def build_critic(cfg: Config, model: ValueModel, pad_id: int, compute_dtype: tor
         max_tokens=cfg.actor.max_tokens_per_micro_batch,
         padding_free=cfg.actor.padding_free,
     )
+
+
+def update_critic(critic: Any, plan: list[MiniBatch], batch: Batch) -> dict[str, Any]:
+    """One critic update (in-process `Critic` or the workers' `CriticRole`) on `plan`; its metrics."""
+    stats = critic.update(batch, plan)
+    mask = batch["response_mask"].bool()
+    metrics = dict(stats.metrics)
+    metrics["critic/returns_mean"] = float(batch["returns"][mask].mean()) if mask.any() else 0.0
+    metrics["critic/values_mean"] = float(batch["values"][mask].mean()) if mask.any() else 0.0
+    metrics["critic/skipped_updates"] = stats.skipped_steps
+    return metrics

@@ -21,6 +21,7 @@ from mmrl.data.batch import Batch, concat
 from mmrl.data.sample import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.rollout import SamplingParams, resolve_engine
+from mmrl.rollout.base import GeneratesAtOnce
 from mmrl.training.actor import needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
@@ -167,7 +168,7 @@ def _real(count: int, world: int) -> list[int]:
     return [max(0, min(count, (r + 1) * size) - r * size) for r in range(world)]
 
 
-class PolicyGroup:
+class PolicyGroup(GeneratesAtOnce):
     """The actor/rollout workers as the controller sees them: an engine (`generate`) and an actor
     (`logprobs`, `update`) whose batches are split across ranks and gathered back in order. It has the
     methods of `mmrl.workers.local.LocalPolicy`, so the loop reads the same wherever the policy runs."""

@@ -21,6 +21,7 @@ from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.rollout.base import SamplingParams
+from mmrl.workers.rollout import POLICY_VERSION
 
 log = logging.getLogger("mmrl.workers.remote")
 PLACEMENT_TIMEOUT_S = 120.0
@@ -104,6 +105,15 @@ class RemoteRollout:
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
         return self.submit(prompts, params).result()
+
+    def rollout_metrics(self, batch: Batch) -> dict[str, float]:
+        """How many updates behind the trainer's weights each row was sampled, and the worker's restarts."""
+        staleness = (self.version - batch[POLICY_VERSION]).float()
+        return {
+            "rollout/staleness_mean": float(staleness.mean()),
+            "rollout/staleness_max": float(staleness.max()),
+            "rollout/worker_restarts": self.restarts,
+        }
 
     def collect(self, owed: _Owed) -> Batch:
         import ray
