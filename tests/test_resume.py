@@ -10,6 +10,8 @@ and a resume that lost the RNG, the loader cursor or the optimizer state would e
 from __future__ import annotations
 
 import json
+import pickletools
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +157,12 @@ def test_resume_without_a_checkpoint_starts_fresh(env, runs) -> None:
     # It started at the beginning of the data stream, like the uninterrupted run.
     assert records[0]["data/rows"] == read_metrics(runs["a"] / "metrics.jsonl")[0]["data/rows"]
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_00000001"]
+
+
+def test_a_checkpoint_names_no_mmrl_module(runs) -> None:
+    """trainer_state.pt pickles only the standard library, numpy and torch, so a checkpoint written
+    before a module moved still resumes after it (the layer folders of 2026-12 moved every module)."""
+    with zipfile.ZipFile(ckpt.latest_checkpoint(runs["b"] / "checkpoints") / "trainer_state.pt") as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    modules = {arg.split()[0] for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+    assert modules and not any(m.startswith("mmrl") for m in modules), modules

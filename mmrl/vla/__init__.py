@@ -1,7 +1,6 @@
-"""VLA training: a VLM acts in a simulator (`envs/`) by emitting action tokens.
+"""VLA training: a VLM acts in a simulator (`mmrl.envs`) by emitting action tokens.
 
-`observations` turns frames into prompts, `episodes` runs groups of episodes in lockstep,
-`sft` behaviour-clones scripted demos, `source` makes episodes the rollout source of the trainer's
-loop, and `evaluate`
-measures success over fixed seeds.
+`observations` turns frames into prompts, `episodes` runs groups of episodes in lockstep, and `sft`
+behaviour-clones scripted demos. `mmrl.sources.episodes` makes episodes the trainer's rollout source,
+and `mmrl.evaluate.episodes` measures success over fixed seeds.
 """
