@@ -36,7 +36,7 @@ from mmrl.data.sample import PromptSample
 from mmrl.envs.gridnav import MOVES, GridNavEnv
 from mmrl.models import build_tiny, load_policy, load_processor
 from mmrl.processors import PixelBudget, build_messages, encode_prompt, num_image_tokens
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 from mmrl.training.supervised import supervised_batch_step
 
 BASE = {"size": 3, "walls": 0, "max_steps": 6, "view": "agent", "image_size": 56}

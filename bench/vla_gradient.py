@@ -32,7 +32,7 @@ from mmrl.data.dataset import image_budget
 from mmrl.evaluate.prompts import load_for_eval
 from mmrl.rollout import SamplingParams
 from mmrl.sources.episodes import episode_advantages, make_envs
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.observations import ObservationPrompts
 from mmrl.vla.sft import load_action_tokenizer

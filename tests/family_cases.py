@@ -31,7 +31,8 @@ from mmrl.processors import (
 )
 from mmrl.rollout import SamplingParams, make_engine
 from mmrl.rollout.vllm import VLLMEngine, vllm_available
-from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.actor import Actor
+from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
 
 # What a recipe needs to run on a CPU: paths aside, only batch sizes, lengths and one process.

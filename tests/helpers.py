@@ -247,7 +247,7 @@ def assert_scored_like_sampled(model: Any, batch: Batch, pad_id: int) -> None:
     engine sampled it with, and a loss on the policy tokens sends exactly zero gradient to the tokens the
     policy did not write (tool responses, env frames)."""
     from mmrl.algorithms import logprobs_from_logits
-    from mmrl.training.actor import forward_logprobs, response_logits
+    from mmrl.training.forward import forward_logprobs, response_logits
 
     policy = batch["response_mask"].bool()
     observation = batch["response_attention"].bool() & ~policy

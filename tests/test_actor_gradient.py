@@ -11,7 +11,8 @@ from helpers import mixed_prompts
 from mmrl.config import ActorConfig
 from mmrl.models import load_policy, load_processor, never_generated_ids
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.actor import Actor
+from mmrl.training.forward import forward_logprobs
 
 
 def _reference_loss(model, batch, pad_id: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.processors import TRANSFORMERS_RULE, PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 
 # 28 px video frames: 2 x 2 patches, one merged token per temporal patch, so a clip's time ids (one per
 # two frames) outrun its 1 x 1 grid and the engines' rules for the text after it part.

@@ -36,7 +36,7 @@ from mmrl.models import family_of, load_policy, load_processor
 from mmrl.processors import PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 # 32 px video frames: 2 x 2 patches, one merged token per temporal patch.

@@ -41,7 +41,7 @@ from mmrl.processors import (
 )
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]
 # 32 px video frames: 2 x 2 patches, one merged token per temporal patch.

@@ -26,7 +26,8 @@ from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
 from mmrl.processors import build_messages, encode_prompt
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError
-from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.actor import Actor
+from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
 
 QUESTIONS = [

@@ -17,8 +17,9 @@ from mmrl.data.sample import PromptSample
 from mmrl.errors import ConfigError
 from mmrl.models import family_of, load_policy, load_processor, tokenizer_of
 from mmrl.processors import build_messages, encode_prompt
-from mmrl.training.actor import Actor, build_actor, forward_logprobs
+from mmrl.training.actor import Actor, build_actor
 from mmrl.training.critic import Critic, ValueModel
+from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
 from mmrl.training.packing import pack
 

@@ -8,7 +8,7 @@ from helpers import mixed_prompts
 
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 
 
 @pytest.fixture(scope="module")

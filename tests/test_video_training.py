@@ -14,7 +14,7 @@ from mmrl.data.synthetic_video import QUESTION, generate_video
 from mmrl.models import load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.sources.prompts import build_datasets
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 
 
 @pytest.fixture

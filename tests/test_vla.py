@@ -26,7 +26,7 @@ from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
 from mmrl.sources.episodes import episode_advantages, step_advantages, train_seeds
 from mmrl.trainer import Trainer
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 from mmrl.training.supervised import supervised_step
 from mmrl.vla import sft as sft_module
 from mmrl.vla.episodes import run_episodes

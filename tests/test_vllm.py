@@ -44,7 +44,8 @@ from mmrl.processors import (
 from mmrl.rollout import HFEngine, SamplingParams, resolve_engine
 from mmrl.rollout.vllm import VLLMEngine, WeightSyncError, vllm_available
 from mmrl.run.logger import read_metrics
-from mmrl.training.actor import Actor, forward_logprobs
+from mmrl.training.actor import Actor
+from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
 
 pytestmark = [

@@ -13,7 +13,7 @@ assuming it.
 
 vLLM lays out mRoPE ids after a video differently from transformers (`mmrl.processors.rope`), so every
 returned row carries the engine's `PositionRule` and the trainer computes log-probs at vLLM's
-positions (`mmrl.training.actor.response_hidden`).
+positions (`mmrl.training.forward.response_hidden`).
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ class VLLMEngine(GeneratesAtOnce):
     def verify(self, tolerance: float | None = None) -> float:
         """Max |log-prob difference| between vLLM and the trainer's forward on a short sampled probe;
         raises WeightSyncError above `tolerance` (fp32 1e-3, lower precisions 0.1 by default)."""
-        from mmrl.training.actor import forward_logprobs
+        from mmrl.training.forward import forward_logprobs
 
         tolerance = tolerance or (1e-3 if self.compute_dtype == torch.float32 else 0.1)
         text = self.tokenizer.apply_chat_template(

@@ -24,8 +24,8 @@ from mmrl.processors import build_messages, encode_prompt, pixel_inputs
 from mmrl.rewards.graders import register_grader
 from mmrl.rewards.types import RewardInput
 from mmrl.rollout import SamplingParams, make_engine
-from mmrl.training.actor import response_hidden
 from mmrl.training.critic import ValueModel
+from mmrl.training.forward import response_hidden
 
 REWARD_HEAD = "reward_head.safetensors"
 

@@ -16,7 +16,8 @@ from mmrl.algorithms import clipped_value_loss
 from mmrl.config import Config, CriticConfig
 from mmrl.data.batch import Batch
 from mmrl.models import autocast_for, family_of, load_policy
-from mmrl.training.actor import evaluate_rows, optimizer_steps, response_hidden
+from mmrl.training.actor import optimizer_steps
+from mmrl.training.forward import evaluate_rows, response_hidden
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import (
     MiniBatch,

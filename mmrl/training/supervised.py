@@ -9,7 +9,7 @@ import torch
 
 from mmrl.data.batch import Batch, right_pad
 from mmrl.data.sample import PromptSample
-from mmrl.training.actor import forward_logprobs
+from mmrl.training.forward import forward_logprobs
 
 
 def supervised_step(

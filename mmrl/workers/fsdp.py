@@ -32,7 +32,7 @@ from torch.distributed.fsdp import (
 )
 
 from mmrl.models import family_of
-from mmrl.training.actor import SHARDED_LOGITS, response_hidden
+from mmrl.training.forward import SHARDED_LOGITS, response_hidden
 
 
 def init_process_group(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> torch.device:
@@ -72,7 +72,7 @@ def shard_model(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
 
 
 def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
-    """`shard_model`, and `actor.response_logits` and `generate` made FSDP-aware: both reach the
+    """`shard_model`, and `forward.response_logits` and `generate` made FSDP-aware: both reach the
     root's weights (LM head, embeddings) outside `forward`."""
     shard_model(model, compute_dtype, offload)
     setattr(model, SHARDED_LOGITS, partial(_response_logits, model))

@@ -1,0 +1,171 @@
+"""The model forward that training, the reference, the critic and the engines' parity checks share.
+
+A training row is its prompt (left-padded) followed by its response (right-padded), so
+every response starts at the same column and its log-probs are one slice of the logits.
+Only the hidden states of response positions go through the LM head, which keeps memory
+flat for real 150k-token vocabularies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from mmrl.algorithms import (
+    block_tokens,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
+from mmrl.data.batch import Batch, left_pad
+from mmrl.data.sample import POSITION_RULE, vision_inputs
+from mmrl.models import Family, autocast_for, family_of, never_generated_ids
+from mmrl.processors import TRANSFORMERS_RULE
+from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
+from mmrl.training.packing import pack, unpack
+
+SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
+
+
+def response_hidden(
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
+) -> torch.Tensor:
+    """Last hidden states (B, T, H) at the positions that predict each response token.
+
+    The shared trunk of the policy's log-probs and the critic's values: position t holds the
+    state after the prompt and the first t response tokens. The family adapter runs the model's
+    own forward, with each prompt's media encoded once for its n responses (`_media`).
+
+    Positions follow the engine that sampled each row (`POSITION_RULE`): the trainer's log-probs
+    must be of the tokens at the positions they were sampled at, or the PPO ratio compares two
+    different inputs. transformers and vLLM place the text after a long video differently
+    (`mmrl.processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`.
+    `router_losses` collects a mixture-of-experts model's load-balancing loss (`Family.hidden_states`).
+    `padding_free` runs the rows packed into one sequence without pad tokens (`mmrl.training.packing`): the same
+    states, with no compute spent on padding."""
+    device = next(model.parameters()).device
+    family = family_of(model)
+    rows = batch["prompt_index"].tolist()
+    prompts = [batch.prompts[i] for i in rows]
+    prompt_ids, prompt_mask = left_pad([p.prompt_ids for p in prompts], pad_id)
+    response = batch["response_ids"]
+    input_ids = torch.cat([prompt_ids, response], dim=1)
+    attention = torch.cat([prompt_mask, batch.attention.long()], dim=1)
+    rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
+    positions = family.position_ids(prompts, input_ids, attention, rules)
+    media = {
+        kind: encoded
+        for kind, encoded in (
+            ("image", _media(family, model, batch, rows, False)),
+            ("video", _media(family, model, batch, rows, True)),
+        )
+        if encoded is not None
+    }
+    if padding_free:
+        packed = pack(input_ids, attention, positions, prompt_ids.shape[1])
+        hidden = family.hidden_states(
+            model, packed.input_ids.to(device), None, packed.positions.to(device), media, router_losses
+        )
+        return unpack(hidden, packed)
+    hidden = family.hidden_states(
+        model, input_ids.to(device), attention.to(device), positions.to(device), media, router_losses
+    )
+    start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
+    return hidden[:, start : start + response.shape[1]]
+
+
+def response_logits(
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
+) -> torch.Tensor:
+    """LM-head logits (B, T, V) at the response positions.
+
+    A policy sharded with FSDP2 carries this computation as a registered forward method
+    (`mmrl.workers.fsdp.shard_policy`), so its shards are gathered around it and its gradients
+    reduced after it, as for `forward` itself."""
+    sharded = getattr(model, SHARDED_LOGITS, None)
+    if sharded is not None:
+        return sharded(batch, pad_id, router_losses, padding_free)
+    return model.lm_head(response_hidden(model, batch, pad_id, router_losses, padding_free))
+
+
+def forward_logprobs(
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool | Literal["grad"] = False,
+    compute_dtype: torch.dtype = torch.float32,
+    router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
+
+    Entropy is returned without a graph: it is a metric, and an autograd graph over (B, T, V)
+    softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
+    `with_entropy="grad"`."""
+    with autocast_for(model, compute_dtype):
+        logits = response_logits(model, batch, pad_id, router_losses, padding_free).float() / temperature
+        logits = block_tokens(logits, never_generated_ids(model.config))
+    logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
+    entropy = None
+    if with_entropy == "grad":
+        entropy = entropy_from_logits(logits)
+    elif with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())
+    return logp, entropy
+
+
+def _media(family: Family, model: Any, batch: Batch, rows: list[int], video: bool) -> Any:
+    """The vision tower's output for every row's images (or videos), encoding each distinct prompt's
+    media once.
+
+    The n responses of a prompt share its media, so the vision tower runs once per prompt instead
+    of once per response; reusing the features also sums their gradients, which is exactly what n
+    separate encodings would give.
+    """
+    pixels = "pixel_values_videos" if video else "pixel_values"
+    distinct = sorted({i for i in rows if getattr(batch.prompts[i], pixels) is not None})
+    if not distinct:
+        return None
+    inputs = vision_inputs([batch.prompts[i] for i in distinct])
+    grids = inputs["video_grid_thw" if video else "image_grid_thw"]
+    encoded = family.encode_media(model, inputs[pixels], grids, video)
+    items, cursor = {}, 0
+    for i in distinct:
+        prompt = batch.prompts[i]
+        count = len(prompt.video_grid_thw if video else prompt.image_grid_thw)
+        items[i] = range(cursor, cursor + count)
+        cursor += count
+    return family.select_media(encoded, [item for i in rows if i in items for item in items[i]])
+
+
+def evaluate_rows(
+    model: Any,
+    batch: Batch,
+    micro_batch_size: int,
+    fn: Callable[[Batch], torch.Tensor],
+    layout: Layout | None = None,
+) -> torch.Tensor:
+    """`fn` over micro-batches in eval mode without gradients, gathered on the CPU in row order: how
+    the policy, the reference and the critic score a whole rollout batch. Micro-batches are chunks of
+    `micro_batch_size` rows, or `layout`'s token-budget groups (`mmrl.training.micro_batches`)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        if layout is None:
+            out = torch.cat([fn(micro).cpu() for micro in batch.split(micro_batch_size)])
+        else:
+            parts = [fn(micro).cpu() for micro in micro_batches(batch, layout)]
+            out = scatter_rows(len(batch), batch["response_ids"].shape[1], layout, parts)
+    model.train(was_training)
+    return out
