@@ -2,7 +2,7 @@
 Geometry3K- and MathVerse-style answers are written?
 
 Both sides are cleaned into a canonical string and, where possible, a number: a small parser of our own
-reads the LaTeX subset these answers use (`\\frac`, `\\sqrt`, `\\pi`, implicit and `\\cdot` products)
+reads the LaTeX subset these answers use (`mmrl.rewards.latex`: `\\frac`, `\\sqrt`, `\\pi`, implicit and `\\cdot` products)
 into a sympy expression, which is then evaluated. Sympy only sees what the parser built (never
 `sympify`, which evals), and nothing a model writes can make the grader work without bound:
 
@@ -11,7 +11,7 @@ into a sympy expression, which is then evaluated. Sympy only sees what the parse
   `MAX_DEPTH`; factorials and unknown commands are not in its grammar at all;
 * expressions with variables are compared at fixed probe points, not with `simplify`, whose running time
   has no useful bound;
-* a SIGALRM deadline backs these up where signals can be used (see `_deadline`). The bounds are needed
+* a SIGALRM deadline backs these up where signals can be used (see `deadline`). The bounds are needed
   even with it: Python runs signal handlers only between bytecodes, so one huge big-integer power inside
   C would outlast any alarm.
 
@@ -40,18 +40,15 @@ import cmath
 import math
 import random
 import re
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from numbers import Real
-from types import FrameType
 from typing import TYPE_CHECKING
 
+from mmrl.rewards.deadline import Timeout, deadline
 from mmrl.rewards.graders import extract_answer, lazy_import, register_grader
+from mmrl.rewards.latex import Refused, parse_latex
 from mmrl.rewards.types import RewardInput
 
 if TYPE_CHECKING:
@@ -62,9 +59,6 @@ else:
     sympy = lazy_import("sympy")
 
 MAX_ANSWER_CHARS = 256
-MAX_EXPONENT = 100
-MAX_DEPTH = 32
-_MAX_POWER_LOG10 = 300
 # A reply this short on one line, with no box, tag or "Answer:", is taken as the answer itself.
 _BARE_MAX_CHARS = 40
 _PROBES = 3
@@ -123,24 +117,6 @@ _LETTER = re.compile(
     re.DOTALL | re.IGNORECASE,
 )
 
-# --- parsing -----------------------------------------------------------------------------------------------
-
-_TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[A-Za-z]+|[A-Za-z]|[-+*/^()\[\]{}])")
-_CLOSING = {"(": ")", "[": "]", "{": "}"}
-_GREEK = frozenset(
-    "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
-    "sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split()
-)
-
-
-class _Refused(ValueError):
-    """Text the parser will not turn into a value: outside its grammar, or too costly to evaluate."""
-
-
-class _Timeout(BaseException):
-    """Raised by the SIGALRM handler. A BaseException, so no `except Exception` (ours or sympy's) can
-    swallow it and let the work run on past the deadline."""
-
 
 @dataclass(frozen=True)
 class _Reading:
@@ -175,9 +151,9 @@ def geometry(sample: RewardInput, rel_tol: float = 1e-4, timeout_s: float = 1.0)
     choices = _choices(sample.extra.get("choices"))
     sympy.Expr  # noqa: B018  (loads the lazily imported sympy here, not inside the answer's time limit)
     try:
-        with _deadline(timeout_s):
+        with deadline(timeout_s):
             return float(_grade(answer, str(truth), choices, rel_tol))
-    except _Timeout:
+    except Timeout:
         return 0.0
 
 
@@ -272,7 +248,7 @@ def _parse(text: str) -> _Answer:
     value, percent, degree = _undecorate(_value_part(_clean(text)))
     try:
         elements = _elements(value, percent, degree)
-    except Exception:  # _Refused, or what sympy raises on input it cannot handle: either way, no value.
+    except Exception:  # Refused, or what sympy raises on input it cannot handle: either way, no value.
         elements = None
     return _Answer("".join(value.split()).casefold(), elements)
 
@@ -366,7 +342,7 @@ def _encloses(text: str) -> bool:
 
 def _readings(text: str, percent: bool, degree: bool) -> tuple[_Reading, ...]:
     """Every way to read `text`: as written, and also as a fraction (`%`) or in radians (`°`)."""
-    reading = _decimal(text) or _Reading(_evaluate(_Parser(text).parse()))
+    reading = _decimal(text) or _Reading(_evaluate(parse_latex(text)))
     readings = [reading]
     if percent:
         places = None if reading.places is None else reading.places + 2
@@ -384,7 +360,7 @@ def _decimal(text: str) -> _Reading | None:
         return None
     value = float(text)
     if not math.isfinite(value):
-        raise _Refused("number out of range")
+        raise Refused("number out of range")
     whole, fraction = match.group(1), match.group(2) or ""
     return _Reading((complex(value),), len(fraction) or None, len((whole + fraction).lstrip("0")))
 
@@ -410,180 +386,5 @@ def _probe(name: str, k: int) -> float:
 def _finite(value: sympy.Expr) -> complex:
     number = complex(value)
     if not cmath.isfinite(number):
-        raise _Refused("not a finite number")
+        raise Refused("not a finite number")
     return number
-
-
-def _tokenize(text: str) -> list[str]:
-    tokens: list[str] = []
-    pos = 0
-    while match := _TOKEN.match(text, pos):
-        tokens.append(match.group(1))
-        pos = match.end()
-    if text[pos:].strip():
-        raise _Refused(f"unexpected {text[pos : pos + 10]!r}")
-    return tokens
-
-
-class _Parser:
-    """Recursive descent over the LaTeX subset of geometry answers, building a sympy expression and
-    refusing anything whose evaluation could run without bound.
-
-    sum := product (("+" | "-") product)*; product := signed (("*" | "/")? signed)*, an implicit product
-    needing a letter, command or bracket on its right (`2\\sqrt{3}`, not `2 3`); signed := sign* power;
-    power := atom ("^" signed)?; atom := number | letter | greek | \\pi | bracketed sum |
-    \\frac arg arg | \\sqrt ("[" sum "]")? arg.
-    """
-
-    def __init__(self, text: str):
-        self._tokens = _tokenize(text)
-        self._pos = 0
-        self._depth = 0
-
-    def parse(self) -> sympy.Expr:
-        expr = self._sum()
-        if self._pos != len(self._tokens):
-            raise _Refused(f"unexpected {self._peek()!r}")
-        return expr
-
-    def _peek(self) -> str:
-        return self._tokens[self._pos] if self._pos < len(self._tokens) else ""
-
-    def _take(self) -> str:
-        token = self._peek()
-        if not token:
-            raise _Refused("unexpected end")
-        self._pos += 1
-        return token
-
-    def _nested(self, parse: Callable[[], sympy.Expr]) -> sympy.Expr:
-        self._depth += 1
-        if self._depth > MAX_DEPTH:
-            raise _Refused("nested too deeply")
-        value = parse()
-        self._depth -= 1
-        return value
-
-    def _sum(self) -> sympy.Expr:
-        value = self._product()
-        while self._peek() in ("+", "-"):
-            value = value + self._product() if self._take() == "+" else value - self._product()
-        return value
-
-    def _product(self) -> sympy.Expr:
-        value = self._signed()
-        while True:
-            token = self._peek()
-            if token in ("*", "/"):
-                self._take()
-                value = value * self._signed() if token == "*" else value / self._signed()
-            elif token and (token[0].isalpha() or token[0] == "\\" or token in _CLOSING):
-                value = value * self._power()
-            else:
-                return value
-
-    def _signed(self) -> sympy.Expr:
-        negative = False
-        while self._peek() in ("+", "-"):
-            negative ^= self._take() == "-"
-        value = self._power()
-        return -value if negative else value
-
-    def _power(self) -> sympy.Expr:
-        base = self._atom()
-        if self._peek() != "^":
-            return base
-        self._take()
-        return _bounded_power(base, self._nested(self._signed))
-
-    def _atom(self) -> sympy.Expr:
-        token = self._take()
-        if token[0].isdigit() or token[0] == ".":
-            return sympy.Rational(token)
-        if token.isalpha():
-            return sympy.Symbol(token)
-        if token in _CLOSING:
-            value = self._nested(self._sum)
-            if self._take() != _CLOSING[token]:
-                raise _Refused(f"unclosed {token!r}")
-            return value
-        if token == r"\pi":
-            return sympy.pi
-        if token == r"\frac":
-            numerator = self._nested(self._atom)
-            return numerator / self._nested(self._atom)
-        if token == r"\sqrt":
-            return self._root()
-        if token[1:] in _GREEK:
-            return sympy.Symbol(token[1:])
-        raise _Refused(f"unsupported {token!r}")
-
-    def _root(self) -> sympy.Expr:
-        degree = 2
-        if self._peek() == "[":
-            self._take()
-            index = self._nested(self._sum)
-            if self._take() != "]" or not index.is_Integer or not 2 <= int(index) <= MAX_EXPONENT:
-                raise _Refused("root degree must be an integer from 2 to MAX_EXPONENT")
-            degree = int(index)
-        return sympy.root(self._nested(self._atom), degree)
-
-
-def _bounded_power(base: sympy.Expr, exponent: sympy.Expr) -> sympy.Expr:
-    """`base ** exponent`, refused for a variable or large exponent or a result beyond 10^300: sympy
-    evaluates integer powers exactly, and 9^(9^9) alone has 370 million digits."""
-    if exponent.free_symbols:
-        raise _Refused("variable exponent")
-    power = complex(exponent.evalf(15))
-    if power.imag or not abs(power.real) <= MAX_EXPONENT:
-        raise _Refused("exponent too large")
-    if not base.free_symbols:
-        magnitude = abs(complex(base.evalf(15)))
-        if magnitude and not abs(power.real * math.log10(magnitude)) <= _MAX_POWER_LOG10:
-            raise _Refused("power too large")
-    return base**exponent
-
-
-def _raise_timeout(signum: int, frame: FrameType | None) -> None:
-    raise _Timeout
-
-
-def _install_alarm() -> signal.Handlers | Callable[..., object] | int | None:
-    """Install the SIGALRM handler and return the one it replaced, or None where we must not: off the main
-    thread (signals are delivered there only), in a subinterpreter (signal.signal refuses), or when the
-    current handler was installed outside Python and could not be put back."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGALRM)
-    if previous is None:
-        return None
-    try:
-        signal.signal(signal.SIGALRM, _raise_timeout)
-    except ValueError:
-        return None
-    return previous
-
-
-@contextmanager
-def _deadline(seconds: float) -> Iterator[None]:
-    """Raise `_Timeout` in the body after `seconds`, where SIGALRM can be used; elsewhere (a trainer scoring
-    from a worker thread) do nothing and rely on the parser's bounds, which keep a call to milliseconds.
-    A timer already running (pytest-timeout, the caller's own alarm) is kept: our deadline is cut short to
-    its expiry if that comes first, and it is re-armed afterwards with the time it had left."""
-    previous = _install_alarm()
-    if previous is None:
-        yield
-        return
-    started = time.monotonic()
-    pending, interval = signal.getitimer(signal.ITIMER_REAL)
-    signal.setitimer(signal.ITIMER_REAL, min(seconds, pending) if pending else seconds)
-    try:
-        yield
-    finally:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.signal(signal.SIGALRM, previous)
-            if pending:
-                left = max(pending - (time.monotonic() - started), 1e-6)
-                signal.setitimer(signal.ITIMER_REAL, left, interval)

@@ -12,6 +12,7 @@ from types import FrameType
 
 import pytest
 
+import mmrl.rewards.deadline as deadline_module
 import mmrl.rewards.geometry as geometry_module
 from mmrl.rewards import GRADERS, RewardInput, RewardManager, extract_answer
 from mmrl.rewards.geometry import geometry
@@ -463,7 +464,7 @@ def test_extract_answer_is_linear(text: str) -> None:
 def test_deadline_interrupts_slow_work() -> None:
     handler = signal.getsignal(signal.SIGALRM)
     started = time.perf_counter()
-    with pytest.raises(geometry_module._Timeout), geometry_module._deadline(0.05):
+    with pytest.raises(deadline_module.Timeout), deadline_module.deadline(0.05):
         while True:
             pass
     assert time.perf_counter() - started < 1.0
