@@ -10,14 +10,19 @@ from rich.console import Console
 from rich.table import Table
 
 from mmrl.config import load_config
+from mmrl.config.recipes import recipe_dir
 from mmrl.run.logger import read_metrics
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # task -> its recipe; `zoom` is the agent quickstart (a tool call, then an answer), `game` a grid game
 # played over several turns, each move answered by the next frame.
 TASKS = {"colour": "quickstart.yaml", "zoom": "quickstart_agent.yaml", "game": "quickstart_game.yaml"}
 GAME_SEEDS = {"train": list(range(4096)), "val": list(range(1_000_000, 1_000_100))}
 ZOOM_DATA = {"n_train": 512, "n_val": 96, "seed": 0, "places": 1}  # the mark at one place (synthetic_zoom)
+
+
+def recipe_of(task: str) -> Path:
+    """The task's bundled recipe: inside the installed package, or the repository's `configs/`."""
+    return recipe_dir() / TASKS[task]
 
 
 def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
@@ -33,7 +38,7 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
     if not (model_dir / "config.json").exists():
         console.print(f"building a tiny random-init Qwen2.5-VL in {model_dir}")
         build_tiny(model_dir, seed=0)
-    cfg = load_config(CONFIGS / TASKS[task], [*paths(root, model_dir, data_dir), *overrides])
+    cfg = load_config(recipe_of(task), [*paths(root, model_dir, data_dir), *overrides])
     if not (data_dir / "train.jsonl").exists():
         console.print(f"rendering the synthetic {task} task in {data_dir}")
         if task == "game":
