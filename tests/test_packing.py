@@ -93,7 +93,7 @@ def test_the_switch_reaches_the_actor_reference_and_critic_forwards(tiny_family_
     batch.set(advantages=torch.linspace(-1, 1, len(batch))[:, None].expand(-1, WIDTH).clone())
     pad_id = processor.tokenizer.pad_token_id
     packs: list[int] = []
-    monkeypatch.setattr("mmrl.training.actor.pack", lambda *args: packs.append(1) or pack(*args))
+    monkeypatch.setattr("mmrl.training.forward.pack", lambda *args: packs.append(1) or pack(*args))
     seen = {}
     for padding_free in (False, True):
         policy = load_policy(tiny_family_dir("qwen2_5_vl"))
