@@ -1,11 +1,16 @@
-"""Padding-free packed forwards (`actor.padding_free`, `mmrl.training.packing`) give the padded path's log-probs
-and gradients on every family that can pack: rows with images, videos, text only and a mixed batch,
-with responses of different lengths (one of them empty, as a truncated row's mask is). Qwen3.5's
-recurrent layers cannot keep packed rows apart on transformers' PyTorch kernels, so it refuses."""
+"""The forwards that skip repeated work give the padded path's log-probs and gradients on every family that
+can take them: rows with images, videos, text only and a mixed batch, with responses of different lengths
+(one of them empty, as a truncated row's mask is).
+- Padding-free packing (`actor.padding_free`, `mmrl.training.packing`). Qwen3.5's recurrent layers cannot
+  keep packed rows apart on transformers' PyTorch kernels, so it refuses.
+- The shared prompt (`mmrl.training.shared_prompt`): each prompt run once for its responses. Qwen3.5's
+  recurrent state is not keys and values, so it keeps the padded forward.
+"""
 
 from __future__ import annotations
 
 from itertools import pairwise
+from unittest import mock
 
 import pytest
 import torch
@@ -51,22 +56,41 @@ def _prompts(tiny_family_dir, name: str, cases: list[str] | None):
     return model, processor, prompts
 
 
-def _forward_backward(model, batch: Batch, pad_id: int, padding_free: bool):
-    """Masked log-probs, every parameter's gradient of their sum, and an MoE model's router loss."""
+def _forward_backward(
+    model, batch: Batch, pad_id: int, padding_free: bool, shared: bool = False, router=True
+):
+    """Masked log-probs, every parameter's gradient of their sum, and an MoE model's router loss (`router`).
+    Without `shared` each response runs its own copy of its prompt, as the plain padded forward does."""
     model.zero_grad(set_to_none=True)
-    routers = [] if family_of(model).mixture_of_experts else None
-    logp, _ = forward_logprobs(model, batch, pad_id, router_losses=routers, padding_free=padding_free)
+    routers = [] if router and family_of(model).mixture_of_experts else None
+    with (
+        mock.patch("mmrl.training.forward.shares_prompts", return_value=False)
+        if not shared
+        else _spy() as used
+    ):
+        logp, _ = forward_logprobs(model, batch, pad_id, router_losses=routers, padding_free=padding_free)
+    if shared:
+        assert used.called, "the shared-prompt forward should have run"
     mask = batch["response_mask"].bool()
     (logp * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logp.detach()[mask], grads, float(routers[0]) if routers else None
 
 
-def _assert_packed_equals_padded(model, batch: Batch, pad_id: int) -> None:
-    """Packed and padded log-probs agree to 1e-5; every parameter's gradient and the router loss agree to
-    1e-5 relative (vision tower, language model, LM head)."""
-    padded, padded_grads, padded_router = _forward_backward(model, batch, pad_id, False)
-    packed, packed_grads, packed_router = _forward_backward(model, batch, pad_id, True)
+def _spy():
+    """Watches the shared-prompt forward run, leaving it as it is."""
+    from mmrl.training import forward
+
+    return mock.patch.object(forward, "shared_prompt_hidden", wraps=forward.shared_prompt_hidden)
+
+
+def _assert_packed_equals_padded(model, batch: Batch, pad_id: int, shared: bool = False) -> None:
+    """Packed (or, with `shared`, shared-prompt) and padded log-probs agree to 1e-5; every parameter's
+    gradient and the router loss agree to 1e-5 relative (vision tower, language model, LM head)."""
+    padded, padded_grads, padded_router = _forward_backward(model, batch, pad_id, False, router=not shared)
+    packed, packed_grads, packed_router = _forward_backward(
+        model, batch, pad_id, not shared, shared=shared, router=not shared
+    )
     diff = float((packed - padded).abs().max())
     assert diff < 1e-5, f"max |packed - padded| log-prob = {diff:.2e}"
     assert padded_grads.keys() == packed_grads.keys()
@@ -83,6 +107,14 @@ def _assert_packed_equals_padded(model, batch: Batch, pad_id: int) -> None:
 def test_packed_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, case: str) -> None:
     model, processor, prompts = _prompts(tiny_family_dir, name, CASES[case])
     _assert_packed_equals_padded(model, _batch(prompts, seed=len(prompts)), processor.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", VL_FAMILIES)
+def test_shared_prompt_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, case: str) -> None:
+    model, processor, prompts = _prompts(tiny_family_dir, name, CASES[case])
+    batch = _batch(prompts, seed=len(prompts))
+    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True)
 
 
 def test_the_switch_reaches_the_actor_reference_and_critic_forwards(tiny_family_dir, monkeypatch) -> None:
@@ -125,7 +157,8 @@ def test_packed_text_model_equals_padded(tiny_family_dir) -> None:
         PromptSample(i, encode_prompt(tokenizer, build_messages(q, 0), []), q, "7")
         for i, q in enumerate(questions)
     ]
-    _assert_packed_equals_padded(model, _batch(prompts, seed=0), tokenizer.pad_token_id)
+    for shared in (False, True):
+        _assert_packed_equals_padded(model, _batch(prompts, seed=0), tokenizer.pad_token_id, shared)
 
 
 def test_packed_positions_restart_per_sequence_and_keep_the_mrope_rows() -> None:
@@ -174,3 +207,24 @@ def test_packing_on_a_cpu_says_padded_is_faster_there(tiny_model_dir, caplog) ->
         )
     assert actor.cfg.padding_free
     assert [r.getMessage() for r in caplog.records if "padded is faster" in r.getMessage()], caplog.text
+
+
+def test_the_shared_prompt_steps_aside_where_it_would_not_be_exact(tiny_family_dir) -> None:
+    """The padded forward runs instead where sharing would change the numbers or gain nothing: Qwen3.5's
+    recurrent layers, a response holding media (an agent's tool image), an MoE router loss (it would count
+    the prompt once, not per response), and rows whose prompts all differ."""
+    from mmrl.training.shared_prompt import shares_prompts
+
+    model, _, prompts = _prompts(tiny_family_dir, "qwen2_5_vl", ["image", "text"])
+    family = family_of(model)
+    batch = _batch(prompts, seed=0)
+    rows = batch["prompt_index"].tolist()
+    assert shares_prompts(model, family, rows, batch, router=False)
+    assert not shares_prompts(model, family, rows, batch, router=True)
+    assert not shares_prompts(model, family, list(range(len(rows))), batch, router=False)
+    with_image = batch["response_ids"].clone()
+    with_image[0, 0] = family.media_token_ids()["image"]
+    tool_batch = Batch(tensors={**batch.tensors, "response_ids": with_image}, prompts=batch.prompts)
+    assert not shares_prompts(model, family, rows, tool_batch, router=False)
+    qwen3_5, _, _ = _prompts(tiny_family_dir, "qwen3_5", ["text"])
+    assert not shares_prompts(qwen3_5, family_of(qwen3_5), rows, batch, router=False)

@@ -92,6 +92,9 @@ class Family:
     # Packed rows (`actor.padding_free`) stay apart only where every layer reads sequence boundaries
     # from the text positions, as attention does; a recurrent layer's state would run on across them.
     packs_sequences: ClassVar[bool] = True
+    # A group's prompt runs once and its responses continue from its keys and values
+    # (`mmrl.training.shared_prompt`) only where every layer's state is its keys and values.
+    prefix_cache: ClassVar[bool] = True
     # Qwen2.5-VL spaces a video's time ids by real seconds (`second_per_grid_ts`); the other families
     # number temporal patches (Qwen2-VL) or tell time in text (Qwen3's timestamps), and their forward
     # refuses the argument.
@@ -207,11 +210,13 @@ class Family:
         positions: torch.Tensor,
         media: dict[str, Any],
         router_losses: list[torch.Tensor] | None = None,
+        cache: Any = None,
     ) -> torch.Tensor:
         """Last hidden states of the model's own forward, with the media encoded beforehand
         (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path.
         A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss.
-        No `attention` for packed rows (`mmrl.training.packing`): the positions keep the sequences apart."""
+        No `attention` for packed rows (`mmrl.training.packing`): the positions keep the sequences apart.
+        A `cache` holds earlier tokens' keys and values; the forward attends to them and appends its own."""
         extra = {"output_router_logits": True} if router_losses is not None else {}
         if media and not _takes_encoded_media():
             # Older versions take **kwargs and drop the encoded media without a word: the policy
@@ -226,7 +231,8 @@ class Family:
             attention_mask=attention,
             position_ids=positions,
             mm_encoder_outputs=media or None,
-            use_cache=False,
+            past_key_values=cache,
+            use_cache=cache is not None,
             **extra,
         )
         if router_losses is not None:

@@ -86,13 +86,18 @@ class TextLM(Family):
         positions: torch.Tensor,
         media: dict[str, Any],
         router_losses: list[torch.Tensor] | None = None,
+        cache: Any = None,
     ) -> torch.Tensor:
         if media:
             self.grid()
         if router_losses is not None:
             raise ValueError(f"{self.name} models have no experts: set actor.router_aux_loss_coef to 0")
         out = model.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
         )
         return out.last_hidden_state
 

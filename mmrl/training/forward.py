@@ -24,6 +24,7 @@ from mmrl.models import Family, autocast_for, family_of, never_generated_ids
 from mmrl.processors import TRANSFORMERS_RULE
 from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
 from mmrl.training.packing import pack, unpack
+from mmrl.training.shared_prompt import shared_prompt_hidden, shares_prompts
 
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
@@ -47,7 +48,8 @@ def response_hidden(
     (`mmrl.processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`.
     `router_losses` collects a mixture-of-experts model's load-balancing loss (`Family.hidden_states`).
     `padding_free` runs the rows packed into one sequence without pad tokens (`mmrl.training.packing`): the same
-    states, with no compute spent on padding."""
+    states, with no compute spent on padding. Otherwise a prompt with several responses in the micro-batch
+    runs once for all of them (`mmrl.training.shared_prompt`): the same states again."""
     device = next(model.parameters()).device
     family = family_of(model)
     rows = batch["prompt_index"].tolist()
@@ -58,14 +60,10 @@ def response_hidden(
     attention = torch.cat([prompt_mask, batch.attention.long()], dim=1)
     rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
     positions = family.position_ids(prompts, input_ids, attention, rules)
-    media = {
-        kind: encoded
-        for kind, encoded in (
-            ("image", _media(family, model, batch, rows, False)),
-            ("video", _media(family, model, batch, rows, True)),
-        )
-        if encoded is not None
-    }
+    if not padding_free and shares_prompts(model, family, rows, batch, router_losses is not None):
+        media = _encoded_media(family, model, batch, sorted(set(rows)))
+        return shared_prompt_hidden(model, family, prompt_ids, prompt_mask, batch, rows, positions, media)
+    media = _encoded_media(family, model, batch, rows)
     if padding_free:
         packed = pack(input_ids, attention, positions, prompt_ids.shape[1])
         hidden = family.hidden_states(
@@ -123,6 +121,15 @@ def forward_logprobs(
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())
     return logp, entropy
+
+
+def _encoded_media(family: Family, model: Any, batch: Batch, rows: list[int]) -> dict[str, Any]:
+    """The encoded images and videos of `rows`, by kind, as the model's forward takes them."""
+    media = {
+        "image": _media(family, model, batch, rows, False),
+        "video": _media(family, model, batch, rows, True),
+    }
+    return {kind: encoded for kind, encoded in media.items() if encoded is not None}
 
 
 def _media(family: Family, model: Any, batch: Batch, rows: list[int], video: bool) -> Any:
