@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from unittest import mock
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
 from mmrl.data.synthetic import generate
 from mmrl.data.synthetic_video import QUESTION, generate_video
-from mmrl.models import load_processor
+from mmrl.models import family_of, load_processor
 from mmrl.processors import (
     PixelBudget,
     build_messages,
@@ -226,7 +227,9 @@ class Forced:
 
 
 class ForcedScript:
-    """The HF engine over `Forced`, taking each prompt's next turn from its script."""
+    """The HF engine over `Forced`, taking each prompt's next turn from its script. The forcing goes
+    through `generate`'s `prefix_allowed_tokens_fn`, so the engine takes transformers' loop here (its own
+    sampler, `mmrl.rollout.decode`, is what it runs otherwise)."""
 
     logprobs_are_free = False
 
@@ -239,7 +242,8 @@ class ForcedScript:
             + [self.tokenizer.eos_token_id]
             for p in prompts
         ]
-        return self.engine.generate(prompts, params)
+        with mock.patch.object(type(family_of(self.engine.model)), "prefix_cache", False):
+            return self.engine.generate(prompts, params)
 
 
 def assert_scored_like_sampled(model: Any, batch: Batch, pad_id: int) -> None:

@@ -12,6 +12,7 @@ from mmrl.data.batch import Batch, left_pad
 from mmrl.data.sample import PromptSample, vision_inputs
 from mmrl.models import autocast_for, family_of, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
+from mmrl.rollout.decode import sample_groups
 
 
 def _expands_media_per_item(model: Any, prompts: list[PromptSample]) -> bool:
@@ -50,26 +51,19 @@ class HFEngine(GeneratesAtOnce):
 
     @torch.no_grad()
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
-        device = next(self.model.parameters()).device
-        sources, copies = prompts, params.n
-        if params.n > 1 and not _expands_media_per_item(self.model, prompts):
-            sources, copies = [p for p in prompts for _ in range(params.n)], 1
-        ids, mask = left_pad([p.prompt_ids for p in sources], self.tokenizer.pad_token_id)
-        extra = family_of(self.model).generate_inputs(ids, vision_inputs(sources))
-        extra = {k: v.to(device) for k, v in extra.items()}
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
         was_training = self.model.training
         self.model.eval()
         with autocast_for(self.model, self.compute_dtype):
-            out = self.model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                **extra,
-                generation_config=self._generation_config(params, stop, copies),
-                synced_gpus=self.synced_gpus,
-            )
+            # An FSDP group must step together (`synced_gpus`), and a recurrent family's state is not
+            # keys and values: both keep transformers' own loop.
+            if family_of(self.model).prefix_cache and not self.synced_gpus:
+                response, logps = sample_groups(
+                    self.model, prompts, params, stop, self.blocked, self.tokenizer.pad_token_id
+                )
+            else:
+                response, logps = self._generate(prompts, params, stop)
         self.model.train(was_training)
-        response = out.sequences[:, ids.shape[1] :]
         is_stop = torch.isin(response, torch.tensor(stop, device=response.device))
         # Valid tokens run up to and including the first stop token.
         response_mask = ((is_stop.cumsum(dim=1) - is_stop.long()) == 0).long()
@@ -79,15 +73,8 @@ class HFEngine(GeneratesAtOnce):
             "response_mask": response_mask.cpu(),
             "truncated": (~is_stop.any(dim=1)).cpu(),
         }
-        if params.logprobs:
-            scale = 1.0 if params.greedy else params.temperature
-            steps = [
-                logprobs_from_logits(
-                    block_tokens(step.float().unsqueeze(1), self.blocked) / scale, response[:, t : t + 1]
-                )
-                for t, step in enumerate(out.logits)
-            ]
-            tensors["rollout_logprobs"] = (torch.cat(steps, dim=1) * response_mask).cpu()
+        if logps is not None:
+            tensors["rollout_logprobs"] = (logps * response_mask).cpu()
         texts = self.tokenizer.batch_decode(
             [
                 r[m.bool()].tolist()
@@ -98,6 +85,37 @@ class HFEngine(GeneratesAtOnce):
         batch = Batch(tensors=tensors, prompts=prompts)
         batch.set(response_text=texts)
         return batch
+
+    def _generate(
+        self, prompts: list[PromptSample], params: SamplingParams, stop: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`model.generate` with `num_return_sequences`: the response ids and, with `params.logprobs`,
+        the sampled tokens' log-probs, as `sample_groups` returns them."""
+        device = next(self.model.parameters()).device
+        sources, copies = prompts, params.n
+        if params.n > 1 and not _expands_media_per_item(self.model, prompts):
+            sources, copies = [p for p in prompts for _ in range(params.n)], 1
+        ids, mask = left_pad([p.prompt_ids for p in sources], self.tokenizer.pad_token_id)
+        extra = family_of(self.model).generate_inputs(ids, vision_inputs(sources))
+        extra = {k: v.to(device) for k, v in extra.items()}
+        out = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            **extra,
+            generation_config=self._generation_config(params, stop, copies),
+            synced_gpus=self.synced_gpus,
+        )
+        response = out.sequences[:, ids.shape[1] :]
+        if not params.logprobs:
+            return response, None
+        scale = 1.0 if params.greedy else params.temperature
+        steps = [
+            logprobs_from_logits(
+                block_tokens(step.float().unsqueeze(1), self.blocked) / scale, response[:, t : t + 1]
+            )
+            for t, step in enumerate(out.logits)
+        ]
+        return response, torch.cat(steps, dim=1)
 
     def _generation_config(self, params: SamplingParams, stop: list[int], copies: int) -> GenerationConfig:
         """Built from scratch, so no checkpoint default (repetition penalty, min length, ...) bends

@@ -19,7 +19,7 @@ from mmrl.algorithms import (
     logprobs_from_logits,
 )
 from mmrl.data.batch import Batch, left_pad
-from mmrl.data.sample import POSITION_RULE, vision_inputs
+from mmrl.data.sample import POSITION_RULE, PromptSample, vision_inputs
 from mmrl.models import Family, autocast_for, family_of, never_generated_ids
 from mmrl.processors import TRANSFORMERS_RULE
 from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
@@ -40,7 +40,7 @@ def response_hidden(
 
     The shared trunk of the policy's log-probs and the critic's values: position t holds the
     state after the prompt and the first t response tokens. The family adapter runs the model's
-    own forward, with each prompt's media encoded once for its n responses (`_media`).
+    own forward, with each prompt's media encoded once for its n responses (`encoded_media`).
 
     Positions follow the engine that sampled each row (`POSITION_RULE`): the trainer's log-probs
     must be of the tokens at the positions they were sampled at, or the PPO ratio compares two
@@ -61,9 +61,9 @@ def response_hidden(
     rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
     positions = family.position_ids(prompts, input_ids, attention, rules)
     if not padding_free and shares_prompts(model, family, rows, batch, router_losses is not None):
-        media = _encoded_media(family, model, batch, sorted(set(rows)))
+        media = encoded_media(family, model, batch.prompts, sorted(set(rows)))
         return shared_prompt_hidden(model, family, prompt_ids, prompt_mask, batch, rows, positions, media)
-    media = _encoded_media(family, model, batch, rows)
+    media = encoded_media(family, model, batch.prompts, rows)
     if padding_free:
         packed = pack(input_ids, attention, positions, prompt_ids.shape[1])
         hidden = family.hidden_states(
@@ -123,34 +123,32 @@ def forward_logprobs(
     return logp, entropy
 
 
-def _encoded_media(family: Family, model: Any, batch: Batch, rows: list[int]) -> dict[str, Any]:
-    """The encoded images and videos of `rows`, by kind, as the model's forward takes them."""
+def encoded_media(family: Family, model: Any, prompts: list[PromptSample], rows: list[int]) -> dict[str, Any]:
+    """The vision tower's output for every row's images and videos, by kind, as the model's forward takes
+    them; `rows` index `prompts`.
+
+    The n responses of a prompt share its media, so the vision tower runs once per distinct prompt
+    instead of once per response; reusing the features also sums their gradients, which is exactly
+    what n separate encodings would give."""
     media = {
-        "image": _media(family, model, batch, rows, False),
-        "video": _media(family, model, batch, rows, True),
+        "image": _media(family, model, prompts, rows, False),
+        "video": _media(family, model, prompts, rows, True),
     }
     return {kind: encoded for kind, encoded in media.items() if encoded is not None}
 
 
-def _media(family: Family, model: Any, batch: Batch, rows: list[int], video: bool) -> Any:
-    """The vision tower's output for every row's images (or videos), encoding each distinct prompt's
-    media once.
-
-    The n responses of a prompt share its media, so the vision tower runs once per prompt instead
-    of once per response; reusing the features also sums their gradients, which is exactly what n
-    separate encodings would give.
-    """
+def _media(family: Family, model: Any, prompts: list[PromptSample], rows: list[int], video: bool) -> Any:
+    """One kind of media of `encoded_media`, each distinct prompt's encoded once."""
     pixels = "pixel_values_videos" if video else "pixel_values"
-    distinct = sorted({i for i in rows if getattr(batch.prompts[i], pixels) is not None})
+    distinct = sorted({i for i in rows if getattr(prompts[i], pixels) is not None})
     if not distinct:
         return None
-    inputs = vision_inputs([batch.prompts[i] for i in distinct])
+    inputs = vision_inputs([prompts[i] for i in distinct])
     grids = inputs["video_grid_thw" if video else "image_grid_thw"]
     encoded = family.encode_media(model, inputs[pixels], grids, video)
     items, cursor = {}, 0
     for i in distinct:
-        prompt = batch.prompts[i]
-        count = len(prompt.video_grid_thw if video else prompt.image_grid_thw)
+        count = len(prompts[i].video_grid_thw if video else prompts[i].image_grid_thw)
         items[i] = range(cursor, cursor + count)
         cursor += count
     return family.select_media(encoded, [item for i in rows if i in items for item in items[i]])
