@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from unittest import mock
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from PIL import Image

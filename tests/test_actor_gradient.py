@@ -4,6 +4,8 @@ forward over each full prompt+response sequence (no shared vision features, no r
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from helpers import mixed_prompts
@@ -91,7 +93,8 @@ def test_actor_gradient_equals_the_textbook_policy_gradient(tiny_model_dir, corr
 
 def test_gradient_checkpointing_changes_memory_not_the_gradient(tiny_model_dir) -> None:
     """`model.gradient_checkpointing` recomputes activations in the backward pass; the gradient it gives
-    is the plain one."""
+    is the plain one. (Under checkpointing transformers keeps no cache, so the forward runs each response's
+    prompt itself: the plain forward is the one to compare with.)"""
     processor = load_processor(tiny_model_dir)
     pad = processor.tokenizer.pad_token_id
     torch.manual_seed(0)
@@ -103,7 +106,8 @@ def test_gradient_checkpointing_changes_memory_not_the_gradient(tiny_model_dir) 
         model = load_policy(tiny_model_dir).train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        logp, _ = forward_logprobs(model, batch, pad)
+        with mock.patch("mmrl.training.forward.shared_prompts", return_value=None):
+            logp, _ = forward_logprobs(model, batch, pad)
         (-(logp * batch["response_mask"]).sum()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10

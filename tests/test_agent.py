@@ -7,9 +7,11 @@ import textwrap
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 from helpers import ZOOM_CALL, Forced, ForcedScript, assert_scored_like_sampled, zoom_prompts
 from PIL import Image
 
@@ -403,3 +405,42 @@ def test_the_agent_graders_read_the_turns() -> None:
     assert GRADERS["answer_with_tool"](malformed) == 0.0, "only a call that returned a result counts"
     with pytest.raises(ValueError, match="target box"):
         GRADERS["zoom_hit"](RewardInput("x"))
+
+
+def test_a_groups_trajectories_share_their_first_prompts_forward_exactly(tiny: Any) -> None:
+    """Three trajectories from one prompt, zooming onto different boxes (so each response holds its own
+    tool image) and answering differently: the shared-prompt forward runs the first prompt once and
+    gives the padded forward's log-probs and gradients (`mmrl.training.shared_prompt`)."""
+    from mmrl.rollout import HFEngine
+    from mmrl.training import forward
+
+    model, processor = tiny
+    agent = _agent(tiny, ForcedScript(HFEngine(Forced(model), processor), processor.tokenizer))
+    prompt = _prompts(tiny, 1)[0]
+    boxes = ["[56, 0, 112, 56]", "[0, 0, 56, 56]", "[0, 56, 112, 112]"]
+    answers = ["red", "blue", "a green one"]
+    scripts = [
+        _scripted([prompt], [ZOOM_CALL.replace("[56, 0, 112, 56]", box), f"<answer>{answer}</answer>"])[0]
+        for box, answer in zip(boxes, answers, strict=True)
+    ]
+    batch = agent.generate(scripts, _params(logprobs=True))
+    batch.set(group_index=torch.zeros(3, dtype=torch.long))  # one prompt: one group
+    assert batch["tool_calls"].tolist() == [1, 1, 1] and all(len(p.images) == 2 for p in batch.prompts)
+    pad_id = processor.tokenizer.pad_token_id
+
+    def run(shared: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        spy = mock.patch.object(forward, "shared_prompt_hidden", wraps=forward.shared_prompt_hidden)
+        plain = mock.patch.object(forward, "shared_prompts", return_value=None)
+        with spy if shared else plain as watched:
+            logp, _ = forward.forward_logprobs(model, batch, pad_id)
+        assert watched.called
+        (logp * batch["response_mask"]).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (padded, padded_grads), (shared, shared_grads) = run(False), run(True)
+    mask = batch["response_mask"].bool()
+    assert (shared - padded)[mask].abs().max() < 1e-5
+    assert padded_grads.keys() == shared_grads.keys()
+    for name, grad in padded_grads.items():
+        assert (shared_grads[name] - grad).norm() <= 1e-5 * grad.norm().clamp(min=1e-12), name

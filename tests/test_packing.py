@@ -64,7 +64,7 @@ def _forward_backward(
     model.zero_grad(set_to_none=True)
     routers = [] if router and family_of(model).mixture_of_experts else None
     with (
-        mock.patch("mmrl.training.forward.shares_prompts", return_value=False)
+        mock.patch("mmrl.training.forward.shared_prompts", return_value=None)
         if not shared
         else _spy() as used
     ):
@@ -211,20 +211,21 @@ def test_packing_on_a_cpu_says_padded_is_faster_there(tiny_model_dir, caplog) ->
 
 def test_the_shared_prompt_steps_aside_where_it_would_not_be_exact(tiny_family_dir) -> None:
     """The padded forward runs instead where sharing would change the numbers or gain nothing: Qwen3.5's
-    recurrent layers, a response holding media (an agent's tool image), an MoE router loss (it would count
+    recurrent layers, a response holding a video, an MoE router loss (it would count
     the prompt once, not per response), and rows whose prompts all differ."""
-    from mmrl.training.shared_prompt import shares_prompts
+    from mmrl.training.shared_prompt import shared_prompts
 
     model, _, prompts = _prompts(tiny_family_dir, "qwen2_5_vl", ["image", "text"])
     family = family_of(model)
     batch = _batch(prompts, seed=0)
     rows = batch["prompt_index"].tolist()
-    assert shares_prompts(model, family, rows, batch, router=False)
-    assert not shares_prompts(model, family, rows, batch, router=True)
-    assert not shares_prompts(model, family, list(range(len(rows))), batch, router=False)
-    with_image = batch["response_ids"].clone()
-    with_image[0, 0] = family.media_token_ids()["image"]
-    tool_batch = Batch(tensors={**batch.tensors, "response_ids": with_image}, prompts=batch.prompts)
-    assert not shares_prompts(model, family, rows, tool_batch, router=False)
+    assert shared_prompts(model, family, rows, batch, router=False)
+    assert not shared_prompts(model, family, rows, batch, router=True)
+    one_each = batch.select([0, 2])  # one response of each prompt
+    assert not shared_prompts(model, family, one_each["prompt_index"].tolist(), one_each, router=False)
+    with_video = batch["response_ids"].clone()
+    with_video[0, 0] = family.media_token_ids()["video"]
+    video_batch = Batch(tensors={**batch.tensors, "response_ids": with_video}, prompts=batch.prompts)
+    assert not shared_prompts(model, family, rows, video_batch, router=False)
     qwen3_5, _, _ = _prompts(tiny_family_dir, "qwen3_5", ["text"])
-    assert not shares_prompts(qwen3_5, family_of(qwen3_5), rows, batch, router=False)
+    assert not shared_prompts(qwen3_5, family_of(qwen3_5), rows, batch, router=False)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+from unittest import mock
+
 import pytest
 import torch
 from helpers import mixed_prompts
 
-from mmrl.models import load_policy, load_processor
+from mmrl.models import family_of, load_policy, load_processor
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.training.forward import forward_logprobs
 
@@ -92,10 +95,6 @@ def test_image_placeholder_is_blocked_even_when_it_is_the_most_likely_token(tiny
 def test_the_sampler_prefills_each_prompt_once_and_decodes_only_unfinished_rows(engine) -> None:
     """`mmrl.rollout.decode`: one prefill row per prompt for its n responses, then decode batches that
     shrink as rows stop, never growing back; the rows' tokens still end at their first stop."""
-    from unittest import mock
-
-    from mmrl.models import family_of
-
     prompts = mixed_prompts(load_processor_of(engine))
     family = type(family_of(engine.model))
     stops = tuple(range(100, 400))  # a third of the vocabulary: rows stop early, at different steps
@@ -104,7 +103,7 @@ def test_the_sampler_prefills_each_prompt_once_and_decodes_only_unfinished_rows(
         batch = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=12, stop_token_ids=stops))
     rows = [call.args[2].shape[0] for call in calls.call_args_list]
     assert rows[0] == len(prompts) and rows[1] <= 4 * len(prompts)
-    assert all(b <= a for a, b in zip(rows[1:], rows[2:])) and rows[-1] < rows[1], rows
+    assert all(b <= a for a, b in pairwise(rows[1:])) and rows[-1] < rows[1], rows
     lengths = batch["response_mask"].sum(dim=1)
     assert len(set(lengths.tolist())) > 1 and len(rows) == int(lengths.max()), (rows, lengths)
 
@@ -113,10 +112,6 @@ def test_the_sampler_prefills_each_prompt_once_and_decodes_only_unfinished_rows(
 def test_the_sampler_picks_what_transformers_generate_picks(engine, sampling) -> None:
     """Greedy decoding, and sampling cut to one token by top-k or top-p, give transformers' `generate`
     tokens and log-probs: the same positions, media and cache, and the filters applied."""
-    from unittest import mock
-
-    from mmrl.models import family_of
-
     prompts = mixed_prompts(load_processor_of(engine))
     params = SamplingParams(n=1, max_new_tokens=10, logprobs=True, **sampling)
     ours = engine.generate(prompts, params)

@@ -21,7 +21,7 @@ from mmrl.data.batch import left_pad
 from mmrl.data.sample import PromptSample
 from mmrl.models import family_of
 from mmrl.rollout.base import SamplingParams
-from mmrl.training.forward import encoded_media
+from mmrl.training.media import PromptMedia
 
 
 def sample_groups(
@@ -47,7 +47,7 @@ def sample_groups(
     ).to(device)
     rows = torch.arange(len(prompts), device=device).repeat_interleave(params.n)  # each response's prompt
     cache = DynamicCache(config=model.config)
-    media = encoded_media(family, model, prompts, list(range(len(prompts))))
+    media = PromptMedia(family, model, prompts, list(range(len(prompts)))).of_rows(list(range(len(prompts))))
     hidden = family.hidden_states(
         model, ids.to(device), mask.to(device), positions[..., :width], media, cache=cache
     )

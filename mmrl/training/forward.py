@@ -19,12 +19,13 @@ from mmrl.algorithms import (
     logprobs_from_logits,
 )
 from mmrl.data.batch import Batch, left_pad
-from mmrl.data.sample import POSITION_RULE, PromptSample, vision_inputs
-from mmrl.models import Family, autocast_for, family_of, never_generated_ids
+from mmrl.data.sample import POSITION_RULE
+from mmrl.models import autocast_for, family_of, never_generated_ids
 from mmrl.processors import TRANSFORMERS_RULE
+from mmrl.training.media import PromptMedia
 from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
 from mmrl.training.packing import pack, unpack
-from mmrl.training.shared_prompt import shared_prompt_hidden, shares_prompts
+from mmrl.training.shared_prompt import shared_prompt_hidden, shared_prompts
 
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
@@ -40,7 +41,7 @@ def response_hidden(
 
     The shared trunk of the policy's log-probs and the critic's values: position t holds the
     state after the prompt and the first t response tokens. The family adapter runs the model's
-    own forward, with each prompt's media encoded once for its n responses (`encoded_media`).
+    own forward, with each prompt's media encoded once for its n responses (`PromptMedia`).
 
     Positions follow the engine that sampled each row (`POSITION_RULE`): the trainer's log-probs
     must be of the tokens at the positions they were sampled at, or the PPO ratio compares two
@@ -60,10 +61,11 @@ def response_hidden(
     attention = torch.cat([prompt_mask, batch.attention.long()], dim=1)
     rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
     positions = family.position_ids(prompts, input_ids, attention, rules)
-    if not padding_free and shares_prompts(model, family, rows, batch, router_losses is not None):
-        media = encoded_media(family, model, batch.prompts, sorted(set(rows)))
-        return shared_prompt_hidden(model, family, prompt_ids, prompt_mask, batch, rows, positions, media)
-    media = encoded_media(family, model, batch.prompts, rows)
+    sharing = None if padding_free else shared_prompts(model, family, rows, batch, router_losses is not None)
+    if sharing is not None:
+        media = PromptMedia(family, model, batch.prompts, rows)
+        return shared_prompt_hidden(model, family, sharing, prompt_ids, prompt_mask, batch, positions, media)
+    media = PromptMedia(family, model, batch.prompts, rows).of_rows(rows)
     if padding_free:
         packed = pack(input_ids, attention, positions, prompt_ids.shape[1])
         hidden = family.hidden_states(
@@ -121,37 +123,6 @@ def forward_logprobs(
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())
     return logp, entropy
-
-
-def encoded_media(family: Family, model: Any, prompts: list[PromptSample], rows: list[int]) -> dict[str, Any]:
-    """The vision tower's output for every row's images and videos, by kind, as the model's forward takes
-    them; `rows` index `prompts`.
-
-    The n responses of a prompt share its media, so the vision tower runs once per distinct prompt
-    instead of once per response; reusing the features also sums their gradients, which is exactly
-    what n separate encodings would give."""
-    media = {
-        "image": _media(family, model, prompts, rows, False),
-        "video": _media(family, model, prompts, rows, True),
-    }
-    return {kind: encoded for kind, encoded in media.items() if encoded is not None}
-
-
-def _media(family: Family, model: Any, prompts: list[PromptSample], rows: list[int], video: bool) -> Any:
-    """One kind of media of `encoded_media`, each distinct prompt's encoded once."""
-    pixels = "pixel_values_videos" if video else "pixel_values"
-    distinct = sorted({i for i in rows if getattr(prompts[i], pixels) is not None})
-    if not distinct:
-        return None
-    inputs = vision_inputs([prompts[i] for i in distinct])
-    grids = inputs["video_grid_thw" if video else "image_grid_thw"]
-    encoded = family.encode_media(model, inputs[pixels], grids, video)
-    items, cursor = {}, 0
-    for i in distinct:
-        count = len(prompts[i].video_grid_thw if video else prompts[i].image_grid_thw)
-        items[i] = range(cursor, cursor + count)
-        cursor += count
-    return family.select_media(encoded, [item for i in rows if i in items for item in items[i]])
 
 
 def evaluate_rows(
