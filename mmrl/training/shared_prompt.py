@@ -40,13 +40,15 @@ def shared_prompts(model: Any, family: Family, rows: list[int], batch: Batch, ro
     """How this micro-batch's rows share prompts, or None where the shared-prompt forward should not run:
     no prompt with several responses, a layer whose state is not its keys and values (a recurrent layer
     would need its state carried per row), a video in a response, an MoE router loss (it would count the
-    prompt's tokens once, not n times), or gradient checkpointing (transformers drops the cache under it).
+    prompt's tokens once, not n times), gradient checkpointing (transformers drops the cache under it), or
+    a policy sharded over several processes: FSDP's gathers must come in the same order on every rank, and
+    another rank's micro-batch may not share.
 
     Rows share when they point at one prompt sample, or, for an agent's trajectories, when they are of
     one group (`group_index`) with the same prompt tokens and prompt pixels."""
     if not family.prefix_cache or router or not batch["response_ids"].shape[1]:
         return None
-    if getattr(model, "is_gradient_checkpointing", False):
+    if getattr(model, "is_gradient_checkpointing", False) or _sharded():
         return None
     tokens = family.media_token_ids() if family.takes_images else {}
     if "video" in tokens and bool((batch["response_ids"] == tokens["video"]).any()):
@@ -123,6 +125,15 @@ def shared_prompt_hidden(
     )
     # The prompt's last state predicts the first response token; each response state the next.
     return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
+
+
+def _sharded() -> bool:
+    """Whether this process is one of several ranks training together."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and (torch.distributed.get_world_size() > 1)
+    )
 
 
 def _images_in(prompt_ids: list[int], image_token: int | None) -> int:
