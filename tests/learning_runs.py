@@ -90,16 +90,18 @@ class LearningRun:
 # the warm-up a colour run answers one colour (0.16-0.17 on the 64 held-out images), and a run that learns
 # nothing stays there exactly, so any positive threshold fails a broken learner (`actor.lr=0` gives a gain
 # of exactly 0). Learning goes colour by colour: +0.16 is the first colour learned beyond the warm-up's.
+COLOUR_STEPS = 100  # the colour and clip runs' RL steps at test size
+
 RUNS: dict[str, LearningRun] = {
     # The quickstart as the README runs it (tests/test_learning.py; also from a tiny Qwen3-VL below):
     # gains 0.47, 0.47, 0.44
-    "grpo": LearningRun("configs/quickstart.yaml", colour_task, steps=100, min_gain=0.3),
+    "grpo": LearningRun("configs/quickstart.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.3),
     # the same recipe on two FSDP2 workers (each samples its own half): gain 0.47 at seed 1. Measured with
     # bench/learning_spread.py only: the suite checks the two-worker update against one process's exactly.
     "grpo_2workers": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
-        steps=100,
+        steps=COLOUR_STEPS,
         min_gain=0.3,
         overrides=("trainer.n_gpus_per_node=2",),
     ),
@@ -110,32 +112,32 @@ RUNS: dict[str, LearningRun] = {
     "async": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
-        steps=100,
+        steps=COLOUR_STEPS,
         min_gain=0.15,
         overrides=("rollout.max_staleness=1", "actor.rollout_correction=tis"),
     ),
     # the clip task `recolor`, chance 1/4; gains 0.50, 0.55, 0.50 (seeds 1-3, AVX2) and 0.25, 0.66, 0.75
     # (native). Learning goes colour by colour: +0.25 is the first colour beyond the warm-up's.
-    "video": LearningRun("configs/quickstart_video.yaml", recolor_task, steps=100, min_gain=0.15),
+    "video": LearningRun("configs/quickstart_video.yaml", recolor_task, steps=COLOUR_STEPS, min_gain=0.15),
     # gains 0.31, 0.16, 0.16
-    "dapo": LearningRun("configs/quickstart_dapo.yaml", colour_task, steps=100, min_gain=0.1),
+    "dapo": LearningRun("configs/quickstart_dapo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
     # gains 0.52, 0.16 (seeds 1 and 2)
-    "drgrpo": LearningRun("configs/quickstart_drgrpo.yaml", colour_task, steps=100, min_gain=0.1),
+    "drgrpo": LearningRun("configs/quickstart_drgrpo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
     # gains 0.67, 0.59, 0.17
-    "ppo": LearningRun("configs/quickstart_ppo.yaml", colour_task, steps=100, min_gain=0.1),
+    "ppo": LearningRun("configs/quickstart_ppo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
     # gains 0.23, 0.17, 0.56
-    "lora": LearningRun("configs/quickstart_lora.yaml", colour_task, steps=100, min_gain=0.1),
+    "lora": LearningRun("configs/quickstart_lora.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
     # gains 0.16, 0.13, 0.31
     "vllm": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
-        steps=100,
+        steps=COLOUR_STEPS,
         min_gain=0.08,
         overrides=("rollout.engine=vllm", "rollout.vllm.max_model_len=512"),
     ),
     # gains 0.48, 0.33, 0.33
     "custom_reward": LearningRun(
-        "examples/custom_reward/config.yaml", hidden_colour_task, steps=100, min_gain=0.2
+        "examples/custom_reward/config.yaml", hidden_colour_task, steps=COLOUR_STEPS, min_gain=0.2
     ),
     # The GRPO quickstart from a tiny Qwen3-VL, at 128 px: on its 32-pixel grid that is Qwen2.5-VL's 16
     # visual tokens (the 112 px images would be 9). As a 100-step run it ends at 0.63-1.00 over seeds
@@ -143,7 +145,7 @@ RUNS: dict[str, LearningRun] = {
     "qwen3_vl": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
-        steps=100,
+        steps=COLOUR_STEPS,
         min_gain=0.3,
         overrides=("data.min_pixels=16384", "data.max_pixels=16384"),
         family="qwen3_vl",
