@@ -72,10 +72,17 @@ class Media:
     cases: dict[str, Case]
 
     def prompt(
-        self, processor, family: Family, index: int, case: str | Case, budget: VideoBudget | None = None
+        self,
+        processor,
+        family: Family,
+        index: int,
+        case: str | Case,
+        budget: VideoBudget | None = None,
+        system: str | None = None,
     ) -> PromptSample:
         """Prompt `case` (a name in `cases`, or a case) as the data layer builds it: fitted images, sampled
-        and sized clips (`budget`, else `videos`), and the family's video text (pads, or timestamped frames)."""
+        and sized clips (`budget`, else `videos`), the family's video text (pads, or timestamped frames),
+        and a `system` prompt if given."""
         text, image_sizes, clips = self.cases[case] if isinstance(case, str) else case
         budget = budget or self.videos
         colours = [(220, 20, 20), (20, 20, 220), (0, 160, 0)]
@@ -85,7 +92,7 @@ class Media:
         videos = [read_video(frames(n, size), budget, fps=fps) for n, fps, size in clips]
         ids = encode_prompt(
             processor.tokenizer,
-            build_messages(text, len(images), num_videos=len(videos)),
+            build_messages(text, len(images), system, num_videos=len(videos)),
             [num_image_tokens(i.height, i.width, self.images) for i in images],
             [family.video_placeholder(v, budget) for v in videos],
         )

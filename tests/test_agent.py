@@ -408,24 +408,29 @@ def test_the_agent_graders_read_the_turns() -> None:
 
 
 def test_a_groups_trajectories_share_their_first_prompts_forward_exactly(tiny: Any) -> None:
-    """Three trajectories from one prompt, zooming onto different boxes (so each response holds its own
-    tool image) and answering differently: the shared-prompt forward runs the first prompt once and
-    gives the padded forward's log-probs and gradients (`mmrl.training.shared_prompt`)."""
+    """Two prompts, three trajectories each, zooming onto different boxes (so each response holds its own
+    tool image) and answering differently: the shared-prompt forward runs the tool preamble both prompts
+    start with once, each first prompt once, and gives the padded forward's log-probs and gradients
+    (`mmrl.training.shared_prompt`)."""
+    from mmrl.models import family_of
     from mmrl.rollout import HFEngine
     from mmrl.training import forward
+    from mmrl.training.shared_prompt import MIN_COMMON, shared_prompts
 
     model, processor = tiny
     agent = _agent(tiny, ForcedScript(HFEngine(Forced(model), processor), processor.tokenizer))
-    prompt = _prompts(tiny, 1)[0]
     boxes = ["[56, 0, 112, 56]", "[0, 0, 56, 56]", "[0, 56, 112, 112]"]
     answers = ["red", "blue", "a green one"]
     scripts = [
         _scripted([prompt], [ZOOM_CALL.replace("[56, 0, 112, 56]", box), f"<answer>{answer}</answer>"])[0]
+        for prompt in _prompts(tiny, 2)
         for box, answer in zip(boxes, answers, strict=True)
     ]
     batch = agent.generate(scripts, _params(logprobs=True))
-    batch.set(group_index=torch.zeros(3, dtype=torch.long))  # one prompt: one group
-    assert batch["tool_calls"].tolist() == [1, 1, 1] and all(len(p.images) == 2 for p in batch.prompts)
+    batch.set(group_index=torch.tensor([0, 0, 0, 1, 1, 1]))  # two prompts, three trajectories each
+    assert batch["tool_calls"].tolist() == [1] * 6 and all(len(p.images) == 2 for p in batch.prompts)
+    sharing = shared_prompts(model, family_of(model), batch["prompt_index"].tolist(), batch, router=False)
+    assert sharing is not None and sharing.common >= MIN_COMMON and sharing.group == [0, 0, 0, 1, 1, 1]
     pad_id = processor.tokenizer.pad_token_id
 
     def run(shared: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -46,13 +46,16 @@ def _batch(prompts: list[PromptSample], seed: int) -> Batch:
     )
 
 
-def _prompts(tiny_family_dir, name: str, cases: list[str] | None):
-    """The tiny model of family `name`, its processor, and the family tests' prompts of `cases` (all)."""
+def _prompts(tiny_family_dir, name: str, cases: list[str] | None, system: str | None = None):
+    """The tiny model of family `name`, its processor, and the family tests' prompts of `cases` (all),
+    after a `system` prompt if given."""
     folder = tiny_family_dir(name)
     model, processor = load_policy(folder), load_processor(folder)
     family = family_of(model)
     media = media_at(family.tiny_grid_factor)
-    prompts = [media.prompt(processor, family, i, c) for i, c in enumerate(cases or media.cases)]
+    prompts = [
+        media.prompt(processor, family, i, c, system=system) for i, c in enumerate(cases or media.cases)
+    ]
     return model, processor, prompts
 
 
@@ -114,6 +117,25 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, 
 def test_shared_prompt_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, case: str) -> None:
     model, processor, prompts = _prompts(tiny_family_dir, name, CASES[case])
     batch = _batch(prompts, seed=len(prompts))
+    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True)
+
+
+@pytest.mark.parametrize("responses", [1, 2])
+@pytest.mark.parametrize("name", VL_FAMILIES)
+def test_prompts_that_start_alike_share_their_common_text_exactly(tiny_family_dir, name, responses) -> None:
+    """Distinct prompts after one system prompt: its tokens run once for the micro-batch (stage 1), then
+    each prompt's images and question (stage 2), then the responses (stage 3), at the padded numbers;
+    with one response per prompt, stage 1 alone is shared."""
+    from mmrl.training.shared_prompt import MIN_COMMON, shared_prompts
+
+    system = "You are a careful visual assistant. Look at every image, then answer in one word."
+    model, processor, prompts = _prompts(tiny_family_dir, name, None, system)
+    batch = _batch(prompts, seed=3)
+    if responses == 1:
+        batch = batch.select(range(0, len(batch), 2))
+    sharing = shared_prompts(model, family_of(model), batch["prompt_index"].tolist(), batch, router=False)
+    assert sharing is not None and sharing.common >= MIN_COMMON
+    assert len(sharing.first) == len(prompts) and len(sharing.group) == responses * len(prompts)
     _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True)
 
 

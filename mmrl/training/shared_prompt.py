@@ -1,16 +1,19 @@
-"""The shared-prompt forward: each prompt computed once for all of its group's responses.
+"""The shared-prompt forward: what rows have in common computed once, not once per row.
 
 A GRPO group's n responses share one prompt, often hundreds of visual and text tokens against a few
-dozen response tokens, and the padded forward recomputes that prompt n times. Here each group's prompt
-runs once, its keys and values are handed to every response of the group (a `DynamicCache` gathered by
-row), and the responses run on top of them (the shared-prefix forward of Prefix Grouper, 2025). Every
-response token attends to exactly what it attends to in the padded forward, so log-probs agree to float
-rounding; the gather is part of the graph, so the prompt's gradient is the sum over its responses, as n
-copies would give.
+dozen response tokens, and the padded forward recomputes that prompt n times; the rows of a batch often
+share more still, a system prompt or a tool schema before their images. Here the forward runs in three
+stages on one cache of keys and values (a `DynamicCache`, gathered by row between stages):
+1. the text every row's prompt starts with, once for the whole micro-batch;
+2. the rest of each distinct prompt (its images, its question), once per group;
+3. every row's response, on top of its group's prompt.
+Every token attends to exactly what it attends to in the padded forward (the shared-prefix forward of
+Prefix Grouper, 2025), so log-probs agree to float rounding; the gathers are part of the graph, so a
+shared token's gradient is the sum over the rows that read it, as separate copies would give.
 
 A multi-turn agent's trajectories each carry their own prompt sample (the first prompt plus every image
-a tool or env returned, `mmrl.agent.loop`); trajectories of one group share the first prompt, which
-runs once, and each response part brings its own images.
+a tool or env returned, `mmrl.agent.loop`); trajectories of one group share the first prompt, and each
+response stage brings its own images.
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ import torch
 from transformers import DynamicCache
 
 from mmrl.data.batch import Batch
-from mmrl.models import Family
+from mmrl.models import Family, never_generated_ids
 from mmrl.training.media import PromptMedia
+
+# Fewer leading tokens in common than this and stage 1 is not worth its own pass.
+MIN_COMMON = 16
 
 
 @dataclass(frozen=True)
 class Sharing:
-    """Which rows share a prompt: `first[g]` is a row standing for group g, `group[r]` row r's group;
-    `prompt_images[r]` counts the images row r's prompt shows (the rest are in its response)."""
+    """How a micro-batch's rows share their prompts: `common` leading prompt tokens every row has; `first[g]`
+    a row standing for group g (its distinct prompt) and `group[r]` row r's group; `prompt_images[r]` the
+    images row r's prompt shows (the rest are in its response)."""
 
+    common: int
     first: list[int]
     group: list[int]
     prompt_images: list[int]
@@ -38,14 +46,14 @@ class Sharing:
 
 def shared_prompts(model: Any, family: Family, rows: list[int], batch: Batch, router: bool) -> Sharing | None:
     """How this micro-batch's rows share prompts, or None where the shared-prompt forward should not run:
-    no prompt with several responses, a layer whose state is not its keys and values (a recurrent layer
-    would need its state carried per row), a video in a response, an MoE router loss (it would count the
-    prompt's tokens once, not n times), gradient checkpointing (transformers drops the cache under it), or
-    a policy sharded over several processes: FSDP's gathers must come in the same order on every rank, and
-    another rank's micro-batch may not share.
+    nothing worth sharing, a layer whose state is not its keys and values (a recurrent layer would need
+    its state carried per row), a video in a response, an MoE router loss (it would count shared tokens
+    once, not per row), gradient checkpointing (transformers drops the cache under it), or a policy
+    sharded over several processes: FSDP's gathers must come in the same order on every rank, and another
+    rank's micro-batch may not share.
 
-    Rows share when they point at one prompt sample, or, for an agent's trajectories, when they are of
-    one group (`group_index`) with the same prompt tokens and prompt pixels."""
+    Rows share a prompt when they point at one prompt sample, or, for an agent's trajectories, when they
+    are of one group (`group_index`) with the same prompt tokens and prompt pixels."""
     if not family.prefix_cache or router or not batch["response_ids"].shape[1]:
         return None
     if getattr(model, "is_gradient_checkpointing", False) or _sharded():
@@ -65,9 +73,12 @@ def shared_prompts(model: Any, family: Family, rows: list[int], batch: Batch, ro
         elif not _same_prompt_media(batch, rows[first[number[key]]], i, prompt_images[r]):
             return None
         group.append(number[key])
-    if len(first) == len(rows):
+    common = _common_text(
+        [batch.prompts[rows[r]].prompt_ids for r in first], never_generated_ids(model.config)
+    )
+    if len(first) == len(rows) and common < MIN_COMMON:
         return None
-    return Sharing(first=first, group=group, prompt_images=prompt_images)
+    return Sharing(common=common, first=first, group=group, prompt_images=prompt_images)
 
 
 def shared_prompt_hidden(
@@ -81,15 +92,32 @@ def shared_prompt_hidden(
     media: PromptMedia,
 ) -> torch.Tensor:
     """Last hidden states (B, T, H) at the positions that predict each response token, as
-    `forward.response_hidden` lays them out, with each group's prompt run once.
+    `forward.response_hidden` lays them out, from the three stages.
 
     `prompt_ids`/`prompt_mask` are the rows' left-padded prompts (B, P) and `positions` the padded
-    layout's position ids over prompt and response columns; `media` holds every row's images and videos."""
+    layout's position ids over prompt and response columns; `media` holds every row's images and videos.
+    Each prompt's padding moves to just after the common text, so those columns line up across rows."""
     device = next(model.parameters()).device
     rows = batch["prompt_index"].tolist()
+    width, common = prompt_ids.shape[1], sharing.common
+    order = _pad_after(prompt_mask, common)
+    ids = prompt_ids.gather(1, order)
+    mask = prompt_mask.gather(1, order)
+    prompt_positions = positions[..., :width].gather(-1, order.expand_as(positions[..., :width]))
+    positions = torch.cat([prompt_positions, positions[..., width:]], dim=-1).to(device)
     first = torch.tensor(sharing.first)
     group = torch.tensor(sharing.group, device=device)
-    width = prompt_ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    if common:  # stage 1: the common text, one row
+        family.hidden_states(
+            model,
+            ids[:1, :common].to(device),
+            mask[:1, :common].to(device),
+            positions[..., :1, :common],
+            {},
+            cache=cache,
+        )
+        cache.batch_select_indices(torch.zeros(len(first), dtype=torch.long, device=device))
     shown = media.take(
         {
             "image": [
@@ -98,12 +126,11 @@ def shared_prompt_hidden(
             "video": [j for r in sharing.first for j in media.items("video", rows[r])],
         }
     )
-    cache = DynamicCache(config=model.config)
-    prompt_hidden = family.hidden_states(
+    prompt_hidden = family.hidden_states(  # stage 2: the rest of each distinct prompt
         model,
-        prompt_ids[first].to(device),
-        prompt_mask[first].to(device),
-        positions[..., first, :width].to(device),
+        ids[first, common:].to(device),
+        mask[first].to(device),
+        positions[..., first.to(device), common:width],
         shown,
         cache=cache,
     )
@@ -115,16 +142,43 @@ def shared_prompt_hidden(
             ]
         }
     )
-    response_hidden = family.hidden_states(
+    response_hidden = family.hidden_states(  # stage 3: every response
         model,
         batch["response_ids"].to(device),
-        torch.cat([prompt_mask, batch.attention.long()], dim=1).to(device),
-        positions[..., width:].to(device),
+        torch.cat([mask, batch.attention.long()], dim=1).to(device),
+        positions[..., width:],
         returned,
         cache=cache,
     )
     # The prompt's last state predicts the first response token; each response state the next.
     return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
+
+
+def _common_text(prompts: list[list[int]], media_ids: list[int]) -> int:
+    """How many leading tokens all `prompts` (several distinct ones) share before any media token, if at
+    least `MIN_COMMON`; each keeps at least its last token for stage 2, which predicts the first response
+    token."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(p) for p in prompts) - 1
+    count = 0
+    while (
+        count < shortest
+        and prompts[0][count] not in media_ids
+        and all(p[count] == prompts[0][count] for p in prompts)
+    ):
+        count += 1
+    return count if count >= MIN_COMMON else 0
+
+
+def _pad_after(mask: torch.Tensor, common: int) -> torch.Tensor:
+    """(B, P) column order that moves each left-padded prompt's padding to just after its first `common`
+    tokens: those columns then hold the same tokens in every row, and the rest keep their places."""
+    pads = (mask == 0).sum(dim=1, keepdim=True)
+    column = torch.arange(mask.shape[1])[None]
+    return torch.where(
+        column < common, pads + column, torch.where(column < common + pads, column - common, column)
+    )
 
 
 def _sharded() -> bool:
