@@ -119,3 +119,28 @@ def test_the_sampler_picks_what_transformers_generate_picks(engine, sampling) ->
         theirs = engine.generate(prompts, params)
     assert torch.equal(ours["response_ids"], theirs["response_ids"])
     assert (ours["rollout_logprobs"] - theirs["rollout_logprobs"]).abs().max() < 1e-5
+
+
+def test_prompts_that_start_with_one_tool_schema_prefill_it_once_and_sample_as_generate(engine) -> None:
+    """Distinct prompts after the same tool preamble: the sampler prefills the common text once
+    (`shared_prompt.common_text`) and still decodes greedily what transformers' `generate` decodes."""
+    from helpers import zoom_prompts
+
+    from mmrl.models import never_generated_ids
+    from mmrl.processors import PixelBudget
+    from mmrl.training.shared_prompt import MIN_COMMON, common_text
+
+    grid = family_of(engine.model).grid()
+    budget = PixelBudget(
+        112 * 112, 112 * 112, grid.patch, grid.merge, family_of(engine.model).image_size_rule
+    )
+    prompts = zoom_prompts(load_processor_of(engine), budget, 3, {"function": "image_zoom"})
+    assert (
+        common_text([p.prompt_ids for p in prompts], never_generated_ids(engine.model.config)) >= MIN_COMMON
+    )
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=10, logprobs=True)
+    ours = engine.generate(prompts, params)
+    with mock.patch.object(type(family_of(engine.model)), "prefix_cache", False):
+        theirs = engine.generate(prompts, params)
+    assert torch.equal(ours["response_ids"], theirs["response_ids"])
+    assert (ours["rollout_logprobs"] - theirs["rollout_logprobs"]).abs().max() < 1e-5

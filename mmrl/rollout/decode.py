@@ -2,8 +2,9 @@
 
 `model.generate` with `num_return_sequences=n` copies every prompt n times before its prefill, so a
 group's hundreds of visual and text tokens are computed n times, and it decodes every row to the longest
-row's end. Here the distinct prompts are prefilled once, their keys and values gathered for the n
-responses of each (a `DynamicCache`), and each step decodes only the rows that have not stopped. The
+row's end. Here the text all prompts start with is prefilled once, each prompt's rest once
+(`mmrl.training.shared_prompt.prompt_states`), their keys and values gathered for the n responses of
+each, and each step decodes only the rows that have not stopped. The
 forward is the trainer's (`Family.hidden_states`, with the same position ids), so the tokens are
 sampled from exactly the distribution the trainer scores them under.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from mmrl.algorithms import block_tokens, logprobs_from_logits
@@ -22,6 +22,7 @@ from mmrl.data.sample import PromptSample
 from mmrl.models import family_of
 from mmrl.rollout.base import SamplingParams
 from mmrl.training.media import PromptMedia
+from mmrl.training.shared_prompt import common_text, pad_after, prompt_states
 
 
 def sample_groups(
@@ -44,13 +45,14 @@ def sample_groups(
         prompts,
         torch.cat([ids, ids.new_full((len(prompts), steps), pad_id)], dim=1),
         torch.cat([mask, mask.new_ones((len(prompts), steps))], dim=1),
-    ).to(device)
-    rows = torch.arange(len(prompts), device=device).repeat_interleave(params.n)  # each response's prompt
-    cache = DynamicCache(config=model.config)
-    media = PromptMedia(family, model, prompts, list(range(len(prompts)))).of_rows(list(range(len(prompts))))
-    hidden = family.hidden_states(
-        model, ids.to(device), mask.to(device), positions[..., :width], media, cache=cache
     )
+    # The text every prompt starts with (a system prompt, a tool schema) is prefilled once for all.
+    common = common_text([p.prompt_ids for p in prompts], blocked)
+    ids, mask, positions = pad_after(ids, mask, positions, common)
+    positions = positions.to(device)
+    rows = torch.arange(len(prompts), device=device).repeat_interleave(params.n)  # each response's prompt
+    media = PromptMedia(family, model, prompts, list(range(len(prompts)))).of_rows(list(range(len(prompts))))
+    hidden, cache = prompt_states(model, family, ids, mask, positions[..., :width], media, common)
     cache.batch_select_indices(rows)
     logits = model.lm_head(hidden[:, -1])[rows]
     attention = mask.to(device)[rows]

@@ -73,7 +73,7 @@ def shared_prompts(model: Any, family: Family, rows: list[int], batch: Batch, ro
         elif not _same_prompt_media(batch, rows[first[number[key]]], i, prompt_images[r]):
             return None
         group.append(number[key])
-    common = _common_text(
+    common = common_text(
         [batch.prompts[rows[r]].prompt_ids for r in first], never_generated_ids(model.config)
     )
     if len(first) == len(rows) and common < MIN_COMMON:
@@ -100,24 +100,10 @@ def shared_prompt_hidden(
     device = next(model.parameters()).device
     rows = batch["prompt_index"].tolist()
     width, common = prompt_ids.shape[1], sharing.common
-    order = _pad_after(prompt_mask, common)
-    ids = prompt_ids.gather(1, order)
-    mask = prompt_mask.gather(1, order)
-    prompt_positions = positions[..., :width].gather(-1, order.expand_as(positions[..., :width]))
-    positions = torch.cat([prompt_positions, positions[..., width:]], dim=-1).to(device)
+    ids, mask, positions = pad_after(prompt_ids, prompt_mask, positions, common)
+    positions = positions.to(device)
     first = torch.tensor(sharing.first)
     group = torch.tensor(sharing.group, device=device)
-    cache = DynamicCache(config=model.config)
-    if common:  # stage 1: the common text, one row
-        family.hidden_states(
-            model,
-            ids[:1, :common].to(device),
-            mask[:1, :common].to(device),
-            positions[..., :1, :common],
-            {},
-            cache=cache,
-        )
-        cache.batch_select_indices(torch.zeros(len(first), dtype=torch.long, device=device))
     shown = media.take(
         {
             "image": [
@@ -126,13 +112,8 @@ def shared_prompt_hidden(
             "video": [j for r in sharing.first for j in media.items("video", rows[r])],
         }
     )
-    prompt_hidden = family.hidden_states(  # stage 2: the rest of each distinct prompt
-        model,
-        ids[first, common:].to(device),
-        mask[first].to(device),
-        positions[..., first.to(device), common:width],
-        shown,
-        cache=cache,
+    prompt_hidden, cache = prompt_states(
+        model, family, ids[first], mask[first], positions[..., first.to(device), :width], shown, common
     )
     cache.batch_select_indices(group)
     returned = media.take(
@@ -154,7 +135,37 @@ def shared_prompt_hidden(
     return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
 
 
-def _common_text(prompts: list[list[int]], media_ids: list[int]) -> int:
+def prompt_states(
+    model: Any,
+    family: Family,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    media: dict[str, Any],
+    common: int,
+) -> tuple[torch.Tensor, DynamicCache]:
+    """Stages 1 and 2 over distinct prompts (G, P) laid out by `pad_after`: their first `common` tokens
+    once (they are the same in every row), then the rest of each. The last hidden states of the prompt
+    columns after the common ones, and the cache holding every prompt column's keys and values."""
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    if common:
+        family.hidden_states(
+            model,
+            ids[:1, :common].to(device),
+            mask[:1, :common].to(device),
+            positions[..., :1, :common],
+            {},
+            cache=cache,
+        )
+        cache.batch_select_indices(torch.zeros(len(ids), dtype=torch.long, device=device))
+    hidden = family.hidden_states(
+        model, ids[:, common:].to(device), mask.to(device), positions[..., common:], media, cache=cache
+    )
+    return hidden, cache
+
+
+def common_text(prompts: list[list[int]], media_ids: list[int]) -> int:
     """How many leading tokens all `prompts` (several distinct ones) share before any media token, if at
     least `MIN_COMMON`; each keeps at least its last token for stage 2, which predicts the first response
     token."""
@@ -171,14 +182,20 @@ def _common_text(prompts: list[list[int]], media_ids: list[int]) -> int:
     return count if count >= MIN_COMMON else 0
 
 
-def _pad_after(mask: torch.Tensor, common: int) -> torch.Tensor:
-    """(B, P) column order that moves each left-padded prompt's padding to just after its first `common`
-    tokens: those columns then hold the same tokens in every row, and the rest keep their places."""
+def pad_after(
+    ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, common: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (B, P), their mask, and position ids over them and any columns after, with each
+    prompt's padding moved to just after its first `common` tokens: those columns then hold the same
+    tokens in every row, and the rest keep their places."""
+    width = ids.shape[1]
     pads = (mask == 0).sum(dim=1, keepdim=True)
-    column = torch.arange(mask.shape[1])[None]
-    return torch.where(
+    column = torch.arange(width)[None]
+    order = torch.where(
         column < common, pads + column, torch.where(column < common + pads, column - common, column)
     )
+    moved = positions[..., :width].gather(-1, order.expand_as(positions[..., :width]))
+    return ids.gather(1, order), mask.gather(1, order), torch.cat([moved, positions[..., width:]], dim=-1)
 
 
 def _sharded() -> bool:
