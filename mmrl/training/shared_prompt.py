@@ -62,7 +62,8 @@ def shared_prompts(model: Any, family: Family, rows: list[int], batch: Batch, ro
     if "video" in tokens and bool((batch["response_ids"] == tokens["video"]).any()):
         return None
     groups = batch["group_index"].tolist() if "group_index" in batch else rows
-    prompt_images = [_images_in(batch.prompts[i].prompt_ids, tokens.get("image")) for i in rows]
+    images_of = {i: _images_in(batch.prompts[i].prompt_ids, tokens.get("image")) for i in set(rows)}
+    prompt_images = [images_of[i] for i in rows]
     number: dict[Any, int] = {}  # each group's place in order of appearance
     first, group = [], []
     for r, i in enumerate(rows):
