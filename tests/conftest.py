@@ -26,6 +26,7 @@ if platform.machine() in ("x86_64", "AMD64"):
 
 import pytest
 import torch
+from learning_runs import WARMUP_CACHE_ENV
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -42,6 +43,17 @@ def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warmup_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `warmup.cache_dir` for the whole session, shared by the xdist workers (their temporary folders
+    sit side by side): the learning runs of one recipe then train its warm-up once, not once each
+    (`learning_runs._shape` passes it on)."""
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "warmup_cache"
+    os.environ[WARMUP_CACHE_ENV] = str(cache)
+    return cache
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from mmrl.models import DEFAULT_FAMILY
 from mmrl.run.logger import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
+WARMUP_CACHE_ENV = "MMRL_TEST_WARMUP_CACHE"  # set by conftest.py for the whole test session
 
 
 def colour_task(root: Path) -> None:
@@ -214,10 +216,19 @@ def _task_data(task: Callable[[Path], None], fresh: Path) -> Path:
     return _RENDERED[task]
 
 
+def warmup_cache() -> list[str]:
+    """The session's shared `warmup.cache_dir` (`conftest.warmup_cache`), as an override; none outside
+    pytest. A run that reuses a warm-up trains exactly as one that makes its own (test_warmup_cache.py)."""
+    cache = os.environ.get(WARMUP_CACHE_ENV)
+    return [f"warmup.cache_dir={cache}"] if cache else []
+
+
 def _shape(run: LearningRun, seed: int | None, extra: tuple[str, ...]) -> list[str]:
     """The overrides that make a recipe its test-size run: steps, validation before and after only, no
-    checkpoints or progress bars, the seed, the run's own overrides and the caller's."""
+    checkpoints or progress bars, the seed, the shared warm-up cache, the run's own overrides and the
+    caller's."""
     return [
+        *warmup_cache(),
         f"trainer.total_steps={run.steps}",
         f"trainer.val_every={run.steps}",
         "trainer.save_every=0",

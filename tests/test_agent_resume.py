@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from learning_runs import warmup_cache
 
 from mmrl.cli import main
 from mmrl.data.synthetic_zoom import generate_zoom
@@ -48,6 +49,7 @@ def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
         f'reward.functions=[{{name: "{root / "reward.py"}:scramble"}}]',
         "trainer.loggers=[jsonl]",
         "trainer.progress=false",
+        *warmup_cache(),  # the runs share one warm-up
     ]
 
 

@@ -142,6 +142,12 @@ class WarmupConfig(Section):
         "run for real. {answer} is a shuffled answer, and each {key} of `fill` one of its values at random",
     )
     fill: dict[str, list[str]] = Field({}, description="Values drawn at random for `turns`' {key}s")
+    cache_dir: str | None = Field(
+        None,
+        description="Keep the warm-up's output in this folder and reuse it in any later run whose warm-up "
+        "would be the same (the model, training files, data, agent and warm-up settings and seed): other "
+        "algorithms or learning rates on one recipe skip it (`mmrl.run.warmup_cache`)",
+    )
     expert_noise: float | None = Field(
         None,
         ge=0,

@@ -18,6 +18,7 @@ from mmrl.config import Config
 from mmrl.data.batch import Batch
 from mmrl.models import save_model
 from mmrl.rollout import RolloutEngine
+from mmrl.run.warmup_cache import restore, store, warmup_key
 from mmrl.training.optim import MiniBatch, UpdateStats
 from mmrl.training.setup import load_trainable
 from mmrl.workers.local import LocalPolicy
@@ -71,11 +72,7 @@ def place_policy(
     if cfg.warmup.steps and resuming and not (start / "config.json").exists():
         raise FileNotFoundError(f"{start} is missing: the checkpoints of this run were trained from it")
     if cfg.warmup.steps and not resuming:
-        model = load_trainable(cfg.model.path, cfg, device)
-        losses = warmup(model)
-        save_model(model, processor, start)
-        console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-        del model
+        _warm_up(cfg, processor, start, device, warmup, console)
     if not cfg.trainer.uses_workers:
         return LocalPolicy(cfg, start, processor, device)
     from mmrl.workers.group import PolicyGroup  # Ray is imported only by runs that use it
@@ -86,3 +83,27 @@ def place_policy(
     roles = "actor and critic" if group.critic is not None else "actor"
     console.print(f"{group.world} {roles} workers (FSDP2) on {len(set(group.nodes))} node(s)")
     return group
+
+
+def _warm_up(
+    cfg: Config,
+    processor: Any,
+    start: Path,
+    device: str,
+    warmup: Callable[[Any], list[float]],
+    console: Console,
+) -> None:
+    """The format warm-up's weights into `start`: trained here, or reused from `warmup.cache_dir`."""
+    cache, key = cfg.warmup.cache_dir, warmup_key(cfg) if cfg.warmup.cache_dir else ""
+    losses = restore(cache, key, start) if cache else None
+    if losses is not None:
+        console.print(
+            f"format warm-up: reused {Path(cache) / key} (loss {losses[0]:.3f} -> {losses[-1]:.3f})"
+        )
+        return
+    model = load_trainable(cfg.model.path, cfg, device)
+    losses = warmup(model)
+    save_model(model, processor, start)
+    console.print(f"format warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if cache:
+        store(cache, key, start, losses)
