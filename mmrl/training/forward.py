@@ -2,7 +2,7 @@
 
 A training row is its prompt (left-padded) followed by its response (right-padded), so
 every response starts at the same column and its log-probs are one slice of the logits.
-Only the hidden states of response positions go through the LM head, which keeps memory
+Only the hidden states of scored response positions go through the LM head, which keeps memory
 flat for real 150k-token vocabularies.
 """
 
@@ -86,15 +86,25 @@ def response_logits(
     router_losses: list[torch.Tensor] | None = None,
     padding_free: bool = False,
 ) -> torch.Tensor:
-    """LM-head logits (B, T, V) at the response positions.
+    """LM-head logits (N, V) at the N scored response positions (`response_mask`), in row order.
 
+    Padding and a multi-turn row's tool responses are never scored, so their (B, T, V) logits, and the
+    softmaxes over them forward and backward, would be work thrown away: in an agent's batch, most of it.
     A policy sharded with FSDP2 carries this computation as a registered forward method
     (`mmrl.workers.fsdp.shard_policy`), so its shards are gathered around it and its gradients
     reduced after it, as for `forward` itself."""
     sharded = getattr(model, SHARDED_LOGITS, None)
     if sharded is not None:
         return sharded(batch, pad_id, router_losses, padding_free)
-    return model.lm_head(response_hidden(model, batch, pad_id, router_losses, padding_free))
+    return scored_logits(model, batch, pad_id, router_losses, padding_free)
+
+
+def scored_logits(
+    model: Any, batch: Batch, pad_id: int, router_losses: list | None = None, padding_free: bool = False
+) -> torch.Tensor:
+    """`response_logits` on an unsharded model (or inside the sharded one's registered method)."""
+    hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
+    return model.lm_head(hidden[batch["response_mask"].to(hidden.device).bool()])
 
 
 def forward_logprobs(
@@ -107,7 +117,8 @@ def forward_logprobs(
     router_losses: list[torch.Tensor] | None = None,
     padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy.
+    """Log-probs (B, T) of `response_ids` under `model`, and optionally per-token entropy; both 0 where
+    `response_mask` is 0, which every consumer masks out.
 
     Entropy is returned without a graph: it is a metric, and an autograd graph over (B, T, V)
     softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
@@ -115,14 +126,20 @@ def forward_logprobs(
     with autocast_for(model, compute_dtype):
         logits = response_logits(model, batch, pad_id, router_losses, padding_free).float() / temperature
         logits = block_tokens(logits, never_generated_ids(model.config))
-    logp = logprobs_from_logits(logits, batch["response_ids"].to(logits.device))
+    scored = batch["response_mask"].to(logits.device).bool()
+    logp = _rows(scored, logprobs_from_logits(logits, batch["response_ids"].to(logits.device)[scored]))
     entropy = None
     if with_entropy == "grad":
-        entropy = entropy_from_logits(logits)
+        entropy = _rows(scored, entropy_from_logits(logits))
     elif with_entropy:
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())
+            entropy = _rows(scored, entropy_from_logits(logits.detach()))
     return logp, entropy
+
+
+def _rows(scored: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-position `values` of the scored positions back into (B, T), 0 elsewhere (differentiable)."""
+    return values.new_zeros(scored.shape).masked_scatter(scored, values)
 
 
 def evaluate_rows(

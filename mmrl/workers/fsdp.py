@@ -32,7 +32,7 @@ from torch.distributed.fsdp import (
 )
 
 from mmrl.models import family_of
-from mmrl.training.forward import SHARDED_LOGITS, response_hidden
+from mmrl.training.forward import SHARDED_LOGITS, scored_logits
 
 
 def init_process_group(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> torch.device:
@@ -75,16 +75,10 @@ def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
     """`shard_model`, and `forward.response_logits` and `generate` made FSDP-aware: both reach the
     root's weights (LM head, embeddings) outside `forward`."""
     shard_model(model, compute_dtype, offload)
-    setattr(model, SHARDED_LOGITS, partial(_response_logits, model))
+    setattr(model, SHARDED_LOGITS, partial(scored_logits, model))
     register_fsdp_forward_method(model, SHARDED_LOGITS)
     register_fsdp_forward_method(model, "generate")
     return model
-
-
-def _response_logits(
-    model: Any, batch: Any, pad_id: int, router_losses: list | None = None, padding_free: bool = False
-) -> torch.Tensor:
-    return model.lm_head(response_hidden(model, batch, pad_id, router_losses, padding_free))
 
 
 def full_state_dict(model: Any, trainable_only: bool = False) -> dict[str, torch.Tensor]:
