@@ -27,7 +27,6 @@ function (tests/test_vllm.py).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -76,52 +75,65 @@ def mrope_position_ids(
     row_rules = [rules] * batch if isinstance(rules, PositionRule) else list(rules)
     if len(row_rules) != batch:
         raise ValueError(f"{len(row_rules)} position rules for {batch} rows")
-    positions = torch.zeros(3, batch, length, dtype=torch.long)
-    grids = {image_token_id: iter(image_grid_thw.tolist() if image_grid_thw is not None else [])}
-    grids[video_token_id] = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
-    # Videos without timing metadata default to one second per temporal grid, as the model does.
-    # The step stays a tensor of the caller's dtype so truncation rounds exactly as in the model.
-    seconds = (
-        iter(second_per_grid_ts.cpu())
-        if second_per_grid_ts is not None
-        else itertools.repeat(torch.tensor(1.0))
-    )
-    ids_cpu = input_ids.cpu()
-    mask_cpu = attention_mask.cpu().bool()
-    vision_ids = {image_token_id, video_token_id}
-    for b in range(batch):
-        rule = row_rules[b]
-        tokens = ids_cpu[b][mask_cpu[b]].tolist()  # plain ints: a loop over tensor elements is 100x slower
-        pieces: list[torch.Tensor] = []
-        cursor = 0
-        # Runs of text tokens, and runs of one kind of placeholder token.
-        for kind, run in itertools.groupby(tokens, key=lambda tok: tok if tok in vision_ids else None):
-            size = sum(1 for _ in run)
-            if kind is None:
-                pieces.append(torch.arange(cursor, cursor + size).expand(3, -1))
-                cursor += size
-                continue
-            # One run of identical placeholder tokens may hold several images back to back.
-            while size > 0:
-                t, h, w = next(grids[kind])
-                gh, gw = h // spatial_merge_size, w // spatial_merge_size
-                tt = torch.arange(t)
-                if kind == video_token_id:
-                    tt = _time_ids(tt, next(seconds), tokens_per_second, rule)
-                grid = torch.stack(torch.meshgrid(tt, torch.arange(gh), torch.arange(gw), indexing="ij"))
-                pieces.append(grid.reshape(3, -1) + cursor)
-                cursor += max(gh, gw) if rule.engine == "transformers" else int(grid.max()) + 1
-                size -= t * gh * gw
-        if pieces:
-            positions[:, b, mask_cpu[b]] = torch.cat(pieces, dim=1)
+    ids = input_ids.cpu()
+    valid = attention_mask.cpu().bool()
+    # A text token's id is its place among its row's tokens, shifted by every media block before it:
+    # `shift` holds each block's advance minus its length, at its last token.
+    place = valid.long().cumsum(1) - 1
+    shift = torch.zeros(batch * length, dtype=torch.long)
+    blocks = []
+    media = ((image_token_id, image_grid_thw, None), (video_token_id, video_grid_thw, second_per_grid_ts))
+    for token, grid_thw, seconds in media:
+        flat = torch.nonzero(((ids == token) & valid).flatten()).flatten()  # in batch order, as the grids
+        if not len(flat):
+            continue
+        grid = grid_thw.cpu().long() if grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
+        t, gh, gw = grid[:, 0], grid[:, 1] // spatial_merge_size, grid[:, 2] // spatial_merge_size
+        ends = (t * gh * gw).cumsum(0)
+        used = int((ends < len(flat)).sum()) + 1  # grids past the last placeholder are not this batch's
+        if used > len(grid) or int(ends[used - 1]) != len(flat):
+            raise ValueError(f"{len(flat)} placeholder tokens {token} do not fit the grids {grid.tolist()}")
+        t, gh, gw, ends = t[:used], gh[:used], gw[:used], ends[:used]
+        sizes = t * gh * gw
+        starts = ends - sizes
+        if not torch.equal(flat[ends - 1] - flat[starts], sizes - 1):
+            raise ValueError(
+                f"a grid's placeholder tokens {token} are not one run: the grids do not fit the prompt"
+            )
+        owner = torch.searchsorted(ends, torch.arange(len(flat)), right=True)  # each token's block
+        offset = torch.arange(len(flat)) - starts[owner]
+        area = gh * gw
+        steps, hh, ww = offset // area[owner], offset % area[owner] // gw[owner], offset % gw[owner]
+        rows = flat[starts] // length
+        if token == video_token_id:
+            times = _time_table(t, seconds, tokens_per_second, [row_rules[r] for r in rows.tolist()])
+            steps = times[owner, steps]
+            top = times.gather(1, (t - 1)[:, None]).flatten()
+        else:
+            top = t - 1
+        vllm = torch.tensor([row_rules[r].engine == "vllm" for r in rows.tolist()])
+        advance = torch.where(vllm, torch.maximum(top, torch.maximum(gh, gw) - 1) + 1, torch.maximum(gh, gw))
+        shift[flat[ends - 1]] += advance - sizes
+        blocks.append((flat, flat[starts][owner], torch.stack([steps, hh, ww])))
+    shift = shift.view(batch, length)
+    text = (place + shift.cumsum(1) - shift).flatten()
+    positions = text.expand(3, -1).clone()
+    for flat, first, grid_ids in blocks:
+        positions[:, flat] = grid_ids + text[first]
+    positions = positions.view(3, batch, length)
+    positions[:, ~valid] = 0
     return positions.to(input_ids.device)
 
 
-def _time_ids(
-    steps: torch.Tensor, seconds: torch.Tensor, tokens_per_second: float, rule: PositionRule
+def _time_table(
+    frames: torch.Tensor, seconds: torch.Tensor | None, tokens_per_second: float, rules: list[PositionRule]
 ) -> torch.Tensor:
-    """A video's temporal ids, truncated as the rule's engine truncates them."""
-    if rule.engine == "transformers":
-        return (steps * (tokens_per_second * seconds)).long()
-    factor = float(seconds.to(rule.seconds_dtype)) * tokens_per_second
-    return (steps.double() * factor).long()
+    """(videos, most frames) temporal ids, each video's truncated as its row's rule truncates them."""
+    # Videos without timing metadata default to one second per temporal grid, as the model does.
+    # The step keeps the caller's dtype so truncation rounds exactly as in the model.
+    seconds = seconds.cpu() if seconds is not None else torch.ones(len(frames))
+    steps = torch.arange(int(frames.max()))[None]
+    ours = (steps * (tokens_per_second * seconds)[:, None]).long()
+    factors = [float(s.to(r.seconds_dtype)) * tokens_per_second for s, r in zip(seconds, rules, strict=True)]
+    theirs = (steps.double() * torch.tensor(factors, dtype=torch.float64)[:, None]).long()
+    return torch.where(torch.tensor([r.engine == "vllm" for r in rules])[:, None], theirs, ours)

@@ -168,7 +168,7 @@ def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_ind
     assert len({float(s) for s in batch[0].second_per_grid_ts}) == 3  # three real frame rates, ignored
     assert torch.equal(ours, family.position_ids(batch, ids, mask, PositionRule("vllm")))
     # Qwen2.5-VL's rule (one t x h x w grid per video) does not even fit: timestamps split its pad run.
-    with pytest.raises(StopIteration):
+    with pytest.raises(ValueError, match="not one run"):
         Qwen2_5_VL(family.config).position_ids(batch, ids, mask)
 
 

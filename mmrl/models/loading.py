@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedModel
 
 from mmrl.models.family import family_of
+from mmrl.models.vision_attention import use_varlen_vision_attention
 
 SHARDED_MARKER = "mmrl_sharded.json"  # in a checkpoint's model/ folder: the weights are FSDP shards in dcp/
 
@@ -75,6 +76,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     folder = checked_folder(path)
     family = family_of(AutoConfig.from_pretrained(folder))
     model = family.load_class().from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    use_varlen_vision_attention(model)
     return model.to(device)
 
 
