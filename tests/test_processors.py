@@ -96,6 +96,24 @@ def test_position_ids_equal_model_get_rope_index_on_mixed_padded_batch(model_and
     assert not torch.equal(ours[0], ours[1])  # the image rows really have 2-D positions
 
 
+def test_placeholders_that_the_grids_do_not_cover_are_an_error() -> None:
+    """Position ids need a grid for every image's placeholders; extra grids after the last one are not
+    this batch's and are ignored."""
+    ids = torch.tensor([[5, 12, 12, 12, 12, 6]])
+    grid = torch.tensor([[1, 4, 4]])  # 4 placeholders after a 2x2 merge
+    kw = {"image_token_id": 12, "video_token_id": 13, "spatial_merge_size": 2}
+    ones = torch.ones_like(ids)
+    assert mrope_position_ids(ids, ones, grid, **kw)[0, 0].tolist() == [0, 1, 1, 1, 1, 3]
+    assert torch.equal(
+        mrope_position_ids(ids, ones, torch.cat([grid, grid]), **kw),
+        mrope_position_ids(ids, ones, grid, **kw),
+    )
+    with pytest.raises(ValueError, match="do not fit the grids"):
+        mrope_position_ids(ids, ones, torch.tensor([[1, 2, 2]]), **kw)
+    with pytest.raises(ValueError, match="do not fit the grids"):
+        mrope_position_ids(ids, ones, None, **kw)
+
+
 def test_load_image_handles_bytes_modes_and_exif(tmp_path) -> None:
     buf = io.BytesIO()
     Image.new("CMYK", (30, 20)).save(buf, format="JPEG")

@@ -48,9 +48,8 @@ def sdpa_varlen(
         starts = torch.tensor([a for a, n in zip(bounds, lengths, strict=False) if n == size])
         index = (starts[:, None] + torch.arange(size)).to(q.device)  # (spans, size)
         stacked = (t[:, index].transpose(0, 1) for t in (q, k, v))  # (spans, heads, size, d)
-        parts.append(
-            _attend(*stacked, scaling, dropout).transpose(1, 2).flatten(0, 1)
-        )  # (spans*size, heads, d)
+        out = _attend(*stacked, scaling, dropout)
+        parts.append(out.transpose(1, 2).flatten(0, 1))  # (spans * size, heads, d)
         order.append(index.flatten())
     out = torch.cat(parts)[torch.argsort(torch.cat(order))]
     return out[None], None
