@@ -216,6 +216,7 @@ def test_a_left_padded_row_equals_the_row_alone(model, processor, monkeypatch) -
     # a leak; a trained checkpoint's pad token (<|endoftext|>) has a real embedding, as given here.
     model = copy.deepcopy(model)
     pad_id = processor.tokenizer.pad_token_id
+    torch.manual_seed(0)  # pad embedding and samples fixed: some draws leak too little to see (seed 2: 2e-6)
     with torch.no_grad():
         model.get_input_embeddings().weight[pad_id] = torch.randn(model.config.text_config.hidden_size)
     family = family_of(model)
@@ -223,7 +224,6 @@ def test_a_left_padded_row_equals_the_row_alone(model, processor, monkeypatch) -
     prompts = [MEDIA.prompt(processor, family, i, case) for i, case in enumerate(cases)]
     lengths = [len(p.prompt_ids) for p in prompts]
     assert max(lengths) - min(lengths) > 64
-    torch.manual_seed(1)
     batch = HFEngine(model, processor).generate(
         prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=8)
     )
