@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from mmrl.config import Config
 from mmrl.data.batch import response_metrics, token_count
-from mmrl.errors import CheckpointError, NumericalError, RolloutError, WorkerError
+from mmrl.errors import CheckpointError, ConfigError, NumericalError, RolloutError, WorkerError
 from mmrl.models import load_processor, tokenizer_of
 from mmrl.run import checkpoint as ckpt
 from mmrl.run.lock import RunLock
@@ -133,20 +133,23 @@ class Trainer:
             with self._worker_errors():
                 baseline = self.source.validate(self._context(PhaseTimer()))
                 self.logger.log(0, baseline)
+                self._targets_reached(baseline)  # a target this validation lacks fails before any training
             progress.validated(0, baseline)
         with progress, StopSignals() as stop:
-            while self.step < cfg.total_steps:
+            reached = False
+            while self.step < cfg.total_steps and not reached:
                 before = self._small_state()
                 self.step += 1
                 with self._worker_errors():
                     metrics = self.train_step()
                     if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
                         metrics.update(self.source.validate(self._context(PhaseTimer())))
+                        reached = self._targets_reached(metrics)
                     self.logger.log(self.step, metrics)
                     self._check_numerics(metrics, before)
-                    self._save_if_due()
+                    self._save_if_due(final=reached)
                 progress.update(self.step, metrics)
-                if stop.received and self.step < cfg.total_steps:
+                if stop.received and self.step < cfg.total_steps and not reached:
                     self._stop_on(stop.received)
         plot_reward_curve(
             self.logger.jsonl, self.run_dir / "reward_curve.png", self.cfg.trainer.experiment_name
@@ -155,12 +158,35 @@ class Trainer:
         self.source.close()
         return {"run_dir": str(self.run_dir), "steps": self.step}
 
-    def _save_if_due(self) -> None:
-        """Periodic and final checkpoints; during a run of numerically bad steps the save waits, so
-        the last good state stays the newest checkpoint a stop would leave."""
+    def _targets_reached(self, validation: dict[str, Any]) -> bool:
+        """Whether a validation after training steps meets every `trainer.stop_at` target (never, without
+        targets; never at step 0, so a run always trains)."""
+        targets = self.cfg.trainer.stop_at
+        missing = sorted(set(targets) - set(validation))
+        if missing:
+            found = sorted(k for k in validation if k.startswith("val/"))
+            raise ConfigError(
+                f"trainer.stop_at names {missing}, which this run's validation does not report; it reports "
+                f"{', '.join(found) or 'nothing'}"
+            )
+        if (
+            not targets
+            or self.step == 0
+            or not all(validation[name] >= value for name, value in targets.items())
+        ):
+            return False
+        met = ", ".join(f"{name} {validation[name]:.3g} >= {value:g}" for name, value in targets.items())
+        self.console.print(f"step {self.step}: {met} (trainer.stop_at): the run ends here", markup=False)
+        return True
+
+    def _save_if_due(self, final: bool = False) -> None:
+        """Periodic and final checkpoints (`final`: a stop_at target was met, so this step is the last);
+        during a run of numerically bad steps the save waits, so the last good state stays the newest
+        checkpoint a stop would leave."""
         cfg = self.cfg.trainer
-        due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.total_steps
-        if self.last_good is not None and self.step < cfg.total_steps:
+        final = final or self.step == cfg.total_steps
+        due = (cfg.save_every and self.step % cfg.save_every == 0) or final
+        if self.last_good is not None and not final:
             self.save_deferred = self.save_deferred or bool(due)
         elif due or self.save_deferred:
             self.save()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from mmrl.cli import main
@@ -147,3 +148,34 @@ def test_piped_output_has_a_plain_line_per_step_and_per_validation(tmp_path, tin
     validations = [line for line in lines if line.startswith("validation at step ")]
     assert [line.split()[3] for line in validations] == ["0:", "2:"], lines
     assert all("accuracy " in line for line in validations)
+
+
+def test_a_run_ends_at_the_first_validation_that_meets_its_target(tmp_path, tiny_model_dir, capsys) -> None:
+    """`trainer.stop_at`: the run ends at the first periodic validation that meets every target, with its
+    final checkpoint there; a target out of reach trains every step; a target the validation does not
+    report stops the run before its first step, naming what it does report."""
+    data = _mixed_dataset(tmp_path / "data")
+    shape = [f"data.val_files={data}", "trainer.total_steps=3", "trainer.val_every=2"]
+
+    assert (
+        _train(tiny_model_dir, data, tmp_path / "met", *shape, "trainer.stop_at={val/format_answer: 0}") == 0
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "met" / "metrics.jsonl")] == [0, 1, 2]
+    assert [p.name for p in (tmp_path / "met" / "checkpoints").iterdir()] == ["step_00000002"]
+    assert "val/format_answer 0 >= 0 (trainer.stop_at): the run ends here" in capsys.readouterr().out
+
+    assert _train(tiny_model_dir, data, tmp_path / "far", *shape, "trainer.stop_at={val/accuracy: 1.01}") == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "far" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+    assert _train(tiny_model_dir, data, tmp_path / "typo", *shape, "trainer.stop_at={val/acuracy: 0.5}") == 2
+    assert "trainer.stop_at names ['val/acuracy']" in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "typo" / "metrics.jsonl")] == [0]
+
+
+def test_stop_at_names_validation_metrics_and_needs_periodic_validation() -> None:
+    from mmrl.config.trainer import TrainerConfig
+
+    with pytest.raises(ValueError, match="a target is a validation metric"):
+        TrainerConfig(stop_at={"reward/mean": 0.5})
+    with pytest.raises(ValueError, match=r"set trainer.val_every > 0"):
+        TrainerConfig(stop_at={"val/accuracy": 0.5}, val_every=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from mmrl.config.base import Section
 
@@ -13,6 +13,12 @@ class TrainerConfig(Section):
     total_steps: int = Field(100, gt=0)
     val_every: int = Field(10, ge=0, description="0 disables periodic validation")
     val_before_train: bool = True
+    stop_at: dict[str, float] = Field(
+        {},
+        description="Validation targets, e.g. {val/accuracy: 0.9}: the run ends, saved as at its last step, "
+        "at the first periodic validation where every named metric is at least its value (a run to a "
+        "target accuracy rather than a step count)",
+    )
     save_every: int = Field(0, ge=0, description="0 saves only at the end")
     keep_checkpoints: int = Field(2, gt=0)
     max_consecutive_bad_steps: int = Field(
@@ -44,6 +50,25 @@ class TrainerConfig(Section):
         "unset starts a local one when workers are used",
     )
     dist_timeout_s: float = Field(600.0, gt=0, description="How long a collective waits for a silent rank")
+
+    @field_validator("stop_at")
+    @classmethod
+    def _targets_are_validation_metrics(cls, targets: dict[str, float]) -> dict[str, float]:
+        odd = [name for name in targets if not name.startswith("val/")]
+        if odd:
+            raise ValueError(
+                f"stop_at names {odd}: a target is a validation metric, such as val/accuracy (the val/* "
+                "keys of metrics.jsonl)"
+            )
+        return targets
+
+    @model_validator(mode="after")
+    def _targets_need_validation(self) -> TrainerConfig:
+        if self.stop_at and not self.val_every:
+            raise ValueError(
+                "trainer.stop_at is checked at each periodic validation: set trainer.val_every > 0"
+            )
+        return self
 
     @property
     def world_size(self) -> int:
