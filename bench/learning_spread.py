@@ -69,7 +69,9 @@ def run_one(
         return result | {"error": proc.stderr[-2000:]}
     val = json.loads(lines[-1][len("RESULT ") :])
     (_, first), (_, last) = val[0], val[-1]
-    return result | {"validations": val, "first": first, "last": last, "gain": last - first}
+    # where the suite's run, which ends at its first validation min_gain above the start, stops
+    stop = next((step for step, v in val[1:] if v - first >= RUNS[name].min_gain), None)
+    return result | {"validations": val, "first": first, "last": last, "gain": last - first, "stop": stop}
 
 
 def main() -> None:
@@ -90,15 +92,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mmrl-spread-") as tmp:
         workdir = args.workdir or Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(lambda c: run_one(*c, workdir, tuple(args.overrides)), combos))
+            # every run trains all its steps, so the gain measured is the full run's
+            extra = ("trainer.stop_at_gain={}", *args.overrides)
+            results = list(pool.map(lambda c: run_one(*c, workdir, extra), combos))
 
-    print(f"{'run':<15}{'seed':>5}{'threads':>8}{'isa':>7}{'before':>8}{'after':>8}{'gain':>8}{'seconds':>9}")
+    print(
+        f"{'run':<15}{'seed':>5}{'threads':>8}{'isa':>7}{'before':>8}{'after':>8}{'gain':>8}{'stop':>6}{'seconds':>9}"
+    )
     for r in results:
         head = f"{r['run']:<15}{r['seed']:>5}{r['threads']:>8}{r['isa']:>7}"
         if "error" in r:
             print(f"{head}   failed: {r['error'].splitlines()[-1:]}")
             continue
-        print(f"{head}{r['first']:>8.3f}{r['last']:>8.3f}{r['gain']:>8.3f}{r['seconds']:>9.0f}")
+        print(
+            f"{head}{r['first']:>8.3f}{r['last']:>8.3f}{r['gain']:>8.3f}{r['stop'] or '-':>6}{r['seconds']:>9.0f}"
+        )
     print()
     for name in args.runs:
         gains = [r["gain"] for r in results if r["run"] == name and "gain" in r]

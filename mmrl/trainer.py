@@ -21,7 +21,7 @@ from mmrl.errors import CheckpointError, ConfigError, NumericalError, RolloutErr
 from mmrl.models import load_processor, tokenizer_of
 from mmrl.run import checkpoint as ckpt
 from mmrl.run.lock import RunLock
-from mmrl.run.logger import MetricsLogger, plot_reward_curve
+from mmrl.run.logger import MetricsLogger, plot_reward_curve, read_metrics
 from mmrl.run.progress import TrainingProgress
 from mmrl.run.resume import (
     check_resume,
@@ -98,6 +98,7 @@ class Trainer:
         )
         self.step = 0
         self.resumed_from: Path | None = None
+        self.baseline: dict[str, Any] | None = None  # the validation before training
         # A run of steps whose every update was skipped (non-finite gradients): how many, and the
         # state before the first of them, which `_check_numerics` saves if the run must stop.
         self.bad_steps = 0
@@ -159,25 +160,41 @@ class Trainer:
         return {"run_dir": str(self.run_dir), "steps": self.step}
 
     def _targets_reached(self, validation: dict[str, Any]) -> bool:
-        """Whether a validation after training steps meets every `trainer.stop_at` target (never, without
-        targets; never at step 0, so a run always trains)."""
-        targets = self.cfg.trainer.stop_at
-        missing = sorted(set(targets) - set(validation))
+        """Whether a validation after training steps meets every `trainer.stop_at` target and every
+        `trainer.stop_at_gain` rise over the step-0 validation (never, without targets; never at step 0,
+        so a run always trains)."""
+        cfg = self.cfg.trainer
+        missing = sorted((set(cfg.stop_at) | set(cfg.stop_at_gain)) - set(validation))
         if missing:
             found = sorted(k for k in validation if k.startswith("val/"))
             raise ConfigError(
                 f"trainer.stop_at names {missing}, which this run's validation does not report; it reports "
                 f"{', '.join(found) or 'nothing'}"
             )
-        if (
-            not targets
-            or self.step == 0
-            or not all(validation[name] >= value for name, value in targets.items())
-        ):
+        if self.step == 0:
+            self.baseline = validation
             return False
-        met = ", ".join(f"{name} {validation[name]:.3g} >= {value:g}" for name, value in targets.items())
+        targets = dict(cfg.stop_at)
+        for name, gain in cfg.stop_at_gain.items():
+            targets[name] = max(targets.get(name, -float("inf")), self._baseline()[name] + gain)
+        if not targets or not all(validation[name] >= value for name, value in targets.items()):
+            return False
+        met = ", ".join(f"{name} {validation[name]:.3g} >= {value:.3g}" for name, value in targets.items())
         self.console.print(f"step {self.step}: {met} (trainer.stop_at): the run ends here", markup=False)
         return True
+
+    def _baseline(self) -> dict[str, Any]:
+        """The validation before training, which `trainer.stop_at_gain` counts from (a resumed run reads
+        it from its metrics log)."""
+        if self.baseline is None:
+            first = read_metrics(self.logger.jsonl)[:1]
+            if not first or first[0]["step"] != 0:
+                raise ConfigError(
+                    f"trainer.stop_at_gain counts from the validation before training, which "
+                    f"{self.logger.jsonl} does not hold: drop trainer.stop_at_gain or use trainer.stop_at"
+                )
+            self.baseline = first[0]
+        return self.baseline
 
     def _save_if_due(self, final: bool = False) -> None:
         """Periodic and final checkpoints (`final`: a stop_at target was met, so this step is the last);

@@ -85,6 +85,10 @@ class LearningRun:
     overrides: tuple[str, ...] = ()
     metric: str = "val/accuracy"
     family: str = DEFAULT_FAMILY  # of the tiny random-init model the run starts from
+    # With `val_every`, the run validates that often and ends at the first validation `min_gain` above
+    # the one before training (`trainer.stop_at_gain`): every run that would pass at `steps` passes,
+    # most sooner, and a run that learns nothing still trains all `steps` and fails.
+    val_every: int | None = None
 
 
 # Each threshold keeps a margin below the worst gain in held-out accuracy measured for its run over seeds
@@ -97,7 +101,9 @@ COLOUR_STEPS = 100  # the colour and clip runs' RL steps at test size
 RUNS: dict[str, LearningRun] = {
     # The quickstart as the README runs it (tests/test_learning.py; also from a tiny Qwen3-VL below):
     # gains 0.47, 0.47, 0.44
-    "grpo": LearningRun("configs/quickstart.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.3),
+    "grpo": LearningRun(
+        "configs/quickstart.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.3, val_every=10
+    ),
     # the same recipe on two FSDP2 workers (each samples its own half): gain 0.47 at seed 1. Measured with
     # bench/learning_spread.py only: the suite checks the two-worker update against one process's exactly.
     "grpo_2workers": LearningRun(
@@ -116,31 +122,47 @@ RUNS: dict[str, LearningRun] = {
         colour_task,
         steps=COLOUR_STEPS,
         min_gain=0.15,
+        val_every=10,
         overrides=("rollout.max_staleness=1", "actor.rollout_correction=tis"),
     ),
     # the clip task `recolor`, chance 1/4; gains 0.50, 0.55, 0.50 (seeds 1-3, AVX2) and 0.25, 0.66, 0.75
     # (native). Learning goes colour by colour: +0.25 is the first colour beyond the warm-up's.
-    "video": LearningRun("configs/quickstart_video.yaml", recolor_task, steps=COLOUR_STEPS, min_gain=0.15),
+    "video": LearningRun(
+        "configs/quickstart_video.yaml", recolor_task, steps=COLOUR_STEPS, min_gain=0.15, val_every=10
+    ),
     # gains 0.31, 0.16, 0.16
-    "dapo": LearningRun("configs/quickstart_dapo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
+    "dapo": LearningRun(
+        "configs/quickstart_dapo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1, val_every=10
+    ),
     # gains 0.52, 0.16 (seeds 1 and 2)
-    "drgrpo": LearningRun("configs/quickstart_drgrpo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
+    "drgrpo": LearningRun(
+        "configs/quickstart_drgrpo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1, val_every=10
+    ),
     # gains 0.67, 0.59, 0.17
-    "ppo": LearningRun("configs/quickstart_ppo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
+    "ppo": LearningRun(
+        "configs/quickstart_ppo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1, val_every=10
+    ),
     # gains 0.23, 0.17, 0.56
-    "lora": LearningRun("configs/quickstart_lora.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1),
+    "lora": LearningRun(
+        "configs/quickstart_lora.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1, val_every=10
+    ),
     # gains 0.16, 0.13, 0.31
     "vllm": LearningRun(
         "configs/quickstart.yaml",
         colour_task,
         steps=COLOUR_STEPS,
         min_gain=0.08,
+        val_every=10,
         overrides=("rollout.engine=vllm", "rollout.vllm.max_model_len=512"),
     ),
     # gains 0.48, 0.33, 0.33 (2026-11-24); 0.19, 0.14, 0.36 with the shared-prompt forward and the HF
     # engine's own sampler (seeds 1-3, 2026-12-02, AVX2, 2-core AMD EPYC)
     "custom_reward": LearningRun(
-        "examples/custom_reward/config.yaml", hidden_colour_task, steps=COLOUR_STEPS, min_gain=0.1
+        "examples/custom_reward/config.yaml",
+        hidden_colour_task,
+        steps=COLOUR_STEPS,
+        min_gain=0.1,
+        val_every=10,
     ),
     # The GRPO quickstart from a tiny Qwen3-VL, at 128 px: on its 32-pixel grid that is Qwen2.5-VL's 16
     # visual tokens (the 112 px images would be 9). With the shared-prompt forward and the HF engine's own
@@ -152,6 +174,7 @@ RUNS: dict[str, LearningRun] = {
         colour_task,
         steps=COLOUR_STEPS,
         min_gain=0.1,
+        val_every=10,
         overrides=("data.min_pixels=16384", "data.max_pixels=16384"),
         family="qwen3_vl",
     ),
@@ -164,6 +187,7 @@ RUNS: dict[str, LearningRun] = {
         game_task,
         steps=25,
         min_gain=0.05,
+        val_every=5,
         metric="val/env_success",
     ),
     # The agent quickstart at full length: a tool call, then an answer read from the zoomed crop. Greedy
@@ -224,13 +248,14 @@ def warmup_cache() -> list[str]:
 
 
 def _shape(run: LearningRun, seed: int | None, extra: tuple[str, ...]) -> list[str]:
-    """The overrides that make a recipe its test-size run: steps, validation before and after only, no
-    checkpoints or progress bars, the seed, the shared warm-up cache, the run's own overrides and the
-    caller's."""
+    """The overrides that make a recipe its test-size run: steps, validation before and after (and on the
+    way, to stop at the run's target), no checkpoints or progress bars, the seed, the shared warm-up cache,
+    the run's own overrides and the caller's."""
     return [
         *warmup_cache(),
         f"trainer.total_steps={run.steps}",
-        f"trainer.val_every={run.steps}",
+        f"trainer.val_every={run.val_every or run.steps}",
+        *([f"trainer.stop_at_gain={{{run.metric}: {run.min_gain + 1e-6}}}"] if run.val_every else []),
         "trainer.save_every=0",
         "trainer.progress=false",
         "trainer.loggers=[jsonl]",
@@ -265,3 +290,14 @@ def _train_episodes(
 def validations(records: list[dict[str, Any]], key: str = "val/accuracy") -> list[tuple[int, float]]:
     """(step, value) of every validation in a run's records."""
     return [(r["step"], r[key]) for r in records if key in r]
+
+
+def rise(run: LearningRun, records: list[dict[str, Any]]) -> tuple[int, float, float]:
+    """(last step, first, last value) of the run's validation metric: first at step 0, last where the run
+    ended, at its `steps` or at the first validation that met its stop target."""
+    val = validations(records, run.metric)
+    (first_step, first), (last_step, last) = val[0], val[-1]
+    assert first_step == 0, f"no validation before training: {val}"
+    stopped = run.val_every is not None and last - first >= run.min_gain
+    assert last_step == run.steps or stopped, f"the run ended at step {last_step} of {run.steps}: {val}"
+    return last_step, first, last

@@ -167,6 +167,15 @@ def test_a_run_ends_at_the_first_validation_that_meets_its_target(tmp_path, tiny
     assert _train(tiny_model_dir, data, tmp_path / "far", *shape, "trainer.stop_at={val/accuracy: 1.01}") == 0
     assert [r["step"] for r in read_metrics(tmp_path / "far" / "metrics.jsonl")] == [0, 1, 2, 3]
 
+    # a gain counts from the validation before training: a share in [0, 1] is always above its first
+    # value less 1, and never 1.01 above it
+    rise = "trainer.stop_at_gain={val/format_answer: -1}"
+    assert _train(tiny_model_dir, data, tmp_path / "gain", *shape, rise) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "gain" / "metrics.jsonl")] == [0, 1, 2]
+    far = "trainer.stop_at_gain={val/format_answer: 1.01}"
+    assert _train(tiny_model_dir, data, tmp_path / "gain_far", *shape, far) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "gain_far" / "metrics.jsonl")] == [0, 1, 2, 3]
+
     assert _train(tiny_model_dir, data, tmp_path / "typo", *shape, "trainer.stop_at={val/acuracy: 0.5}") == 2
     assert "trainer.stop_at names ['val/acuracy']" in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path / "typo" / "metrics.jsonl")] == [0]
@@ -179,3 +188,5 @@ def test_stop_at_names_validation_metrics_and_needs_periodic_validation() -> Non
         TrainerConfig(stop_at={"reward/mean": 0.5})
     with pytest.raises(ValueError, match=r"set trainer.val_every > 0"):
         TrainerConfig(stop_at={"val/accuracy": 0.5}, val_every=0)
+    with pytest.raises(ValueError, match=r"set trainer.val_before_train=true"):
+        TrainerConfig(stop_at_gain={"val/accuracy": 0.3}, val_before_train=False)

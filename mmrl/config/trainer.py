@@ -19,6 +19,11 @@ class TrainerConfig(Section):
         "at the first periodic validation where every named metric is at least its value (a run to a "
         "target accuracy rather than a step count)",
     )
+    stop_at_gain: dict[str, float] = Field(
+        {},
+        description="Validation gains, e.g. {val/accuracy: 0.3}: as stop_at, with each target this much "
+        "above the metric's value in the validation before training",
+    )
     save_every: int = Field(0, ge=0, description="0 saves only at the end")
     keep_checkpoints: int = Field(2, gt=0)
     max_consecutive_bad_steps: int = Field(
@@ -51,7 +56,7 @@ class TrainerConfig(Section):
     )
     dist_timeout_s: float = Field(600.0, gt=0, description="How long a collective waits for a silent rank")
 
-    @field_validator("stop_at")
+    @field_validator("stop_at", "stop_at_gain")
     @classmethod
     def _targets_are_validation_metrics(cls, targets: dict[str, float]) -> dict[str, float]:
         odd = [name for name in targets if not name.startswith("val/")]
@@ -64,9 +69,13 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _targets_need_validation(self) -> TrainerConfig:
-        if self.stop_at and not self.val_every:
+        if (self.stop_at or self.stop_at_gain) and not self.val_every:
             raise ValueError(
                 "trainer.stop_at is checked at each periodic validation: set trainer.val_every > 0"
+            )
+        if self.stop_at_gain and not self.val_before_train:
+            raise ValueError(
+                "trainer.stop_at_gain counts from the validation before training: set trainer.val_before_train=true"
             )
         return self
 
