@@ -10,10 +10,12 @@ import torch
 
 from mmrl.algorithms import (
     agg_loss,
+    get_policy_filter,
     get_policy_loss,
     get_rollout_correction,
     kl_penalty,
     masked_mean,
+    needs_of,
 )
 from mmrl.config import ActorConfig, Config
 from mmrl.data.batch import Batch
@@ -115,11 +117,9 @@ class Actor:
             old,
             advantages,
             mask,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
             agg_kwargs=totals,
+            **cfg.policy_loss_options(),
         )
         loss = pg_loss
         entropy_value = agg_loss(entropy, mask, cfg.loss_agg_mode, **totals)
@@ -210,4 +210,11 @@ def needs_reference(cfg: Config) -> bool:
 def update_plan(cfg: Config) -> UpdatePlan:
     """`actor.ppo_epochs` shuffles cut into mini-batches of `actor.mini_batch_size` prompts' responses."""
     a = cfg.actor
-    return UpdatePlan(a.mini_batch_size * cfg.rollout.n, a.ppo_epochs, cfg.rollout.max_new_tokens)
+    return UpdatePlan(a.mini_batch_size * responses_per_prompt(cfg), a.ppo_epochs, cfg.rollout.max_new_tokens)
+
+
+def responses_per_prompt(cfg: Config) -> int:
+    """`rollout.n`, or fewer where `algorithm.policy_filtration` keeps only some of each group."""
+    name = cfg.algorithm.policy_filtration
+    kept = needs_of(get_policy_filter(name)).rows_per_group if name else None
+    return min(cfg.rollout.n, kept) if kept else cfg.rollout.n
