@@ -182,7 +182,7 @@ def test_sapo_soft_gate_by_hand() -> None:
 def test_sapo_temperature_follows_the_advantages_sign() -> None:
     # A > 0 sees τ_pos, A = 0 τ_neg (its loss is 0 either way):
     # ρ = e^0.4 = 1.4918247, τ_pos = 3: f = σ(3·0.4918247)·4/3 = σ(1.4754741)·4/3 = 0.8138880·4/3 = 1.0851840
-    # (with τ_neg = 0.5 it would be σ(0.2459124)·8 = 4.4893612, a loss of −2.24
+    # (with τ_neg = 0.5 it would be σ(0.2459124)·8 = 4.4893612, a loss of −2.24)
     logp = torch.tensor([[0.4, 0.4]], requires_grad=True)
     loss, _ = sapo(
         logp, torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]), torch.ones(1, 2), tau_pos=3.0, tau_neg=0.5
