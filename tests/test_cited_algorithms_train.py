@@ -8,25 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import FAST
 
 from mmrl.cli import main
 from mmrl.data.synthetic import generate
 from mmrl.run.logger import read_metrics
 
-# Two epochs, so the second optimizer step sees π_θ ≠ π_old (ratios other than 1), except OPO: one step.
-STEP = [
-    "trainer.total_steps=1",
-    "trainer.val_every=0",
-    "trainer.save_every=0",
-    "trainer.progress=false",
-    "trainer.loggers=[jsonl]",
-    "warmup.steps=0",
-    "data.train_batch_size=4",
-    "data.min_pixels=3136",
-    "data.max_pixels=3136",
-    "actor.mini_batch_size=4",
-    "rollout.n=2",
-]
+# One step of the trainer test's run; two epochs, so that the second optimizer step sees π_θ ≠ π_old
+# (ratios other than 1), except where the algorithm takes one step a batch.
+STEP = [*FAST, "trainer.total_steps=1", "data.min_pixels=3136", "data.max_pixels=3136"]
 TWO_EPOCHS = ["actor.ppo_epochs=2"]
 
 # name: (overrides, what its step's metrics must show)

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmrl.algorithms.aggregation import agg_loss
 from mmrl.algorithms.masked import masked_mean
-from mmrl.algorithms.policy_loss import MAX_LOG_RATIO, clipped_surrogate, loss_metrics, register_policy_loss
+from mmrl.algorithms.policy_loss import MAX_LOG_RATIO, aggregated, clipped_surrogate, register_policy_loss
 
 
 def token_covariance(logp: Tensor, advantages: Tensor, response_mask: Tensor) -> Tensor:
@@ -67,8 +66,7 @@ def kl_cov(
         chosen[torch.topk(cov, _share(kl_cov_ratio, response_mask)).indices] = True
     chosen = chosen.view_as(logp)
     token_loss = torch.where(chosen, token_loss + kl_cov_coef * log_ratio.abs(), token_loss)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    metrics = loss_metrics(torch.zeros_like(chosen), logp, old_logp, response_mask)
+    loss, metrics = aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
     metrics["kl_cov_frac"] = masked_mean(chosen.float(), response_mask)
     return loss, metrics
 
@@ -111,7 +109,8 @@ def clip_cov(
         chosen[candidates[order[: _share(clip_cov_ratio, response_mask)]]] = True
     chosen = chosen.view_as(logp)
     token_loss = torch.where(chosen, torch.zeros_like(token_loss), token_loss)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    metrics = loss_metrics(is_clipped, logp, old_logp, response_mask)
+    loss, metrics = aggregated(
+        token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped
+    )
     metrics["clip_cov_frac"] = masked_mean(chosen.float(), response_mask)
     return loss, metrics

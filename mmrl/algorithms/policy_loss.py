@@ -59,12 +59,21 @@ def clipped_surrogate(
     return torch.where(is_clipped, clipped, unclipped), is_clipped
 
 
-def loss_metrics(
-    is_clipped: Tensor, logp: Tensor, old_logp: Tensor, response_mask: Tensor
-) -> dict[str, Tensor]:
-    """The metrics every policy loss reports: ``clip_frac`` of `is_clipped` and ``approx_kl``."""
-    return {
-        "clip_frac": masked_mean(is_clipped.float(), response_mask).detach(),
+def aggregated(
+    token_loss: Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str,
+    agg_kwargs: dict[str, Any] | None,
+    is_clipped: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A per-token loss reduced by `agg_loss`, and the metrics every policy loss reports: ``clip_frac``,
+    the share of valid tokens in `is_clipped` (none when it is None), and ``approx_kl``."""
+    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
+    clipped = torch.zeros_like(token_loss) if is_clipped is None else is_clipped.float()
+    return loss, {
+        "clip_frac": masked_mean(clipped, response_mask).detach(),
         "approx_kl": masked_mean(old_logp - logp, response_mask).detach(),
     }
 
@@ -90,8 +99,7 @@ def ppo_clip(
     """
     old_logp, advantages = old_logp.detach(), advantages.detach()
     token_loss, is_clipped = clipped_surrogate(logp - old_logp, advantages, clip_ratio_low, clip_ratio_high)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, loss_metrics(is_clipped, logp, old_logp, response_mask)
+    return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped)
 
 
 @register_policy_loss("dual_clip")
@@ -121,8 +129,9 @@ def dual_clip(
     cap = -clip_ratio_c * advantages
     is_capped = (advantages < 0) & (token_loss > cap)
     token_loss = torch.where(is_capped, cap, token_loss)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    metrics = loss_metrics(is_clipped, logp, old_logp, response_mask)
+    loss, metrics = aggregated(
+        token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped
+    )
     metrics["dual_clip_frac"] = masked_mean(is_capped.float(), response_mask).detach()
     return loss, metrics
 
@@ -153,8 +162,7 @@ def gspo(
     seq_log_ratio = masked_mean(logp - old_logp, response_mask, dim=-1)
     token_log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()
     token_loss, is_clipped = clipped_surrogate(token_log_ratio, advantages, clip_ratio_low, clip_ratio_high)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, loss_metrics(is_clipped, logp, old_logp, response_mask)
+    return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped)
 
 
 @register_policy_loss("cispo")
@@ -184,8 +192,7 @@ def cispo(
     ratio = torch.exp((logp.detach() - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     token_loss = -weight * advantages * logp
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, loss_metrics(weight != ratio, logp, old_logp, response_mask)
+    return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, weight != ratio)
 
 
 @register_policy_loss("sapo")
@@ -214,8 +221,7 @@ def sapo(
     ratio = torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    loss = agg_loss(-gate * advantages, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, loss_metrics(torch.zeros_like(ratio, dtype=torch.bool), logp, old_logp, response_mask)
+    return aggregated(-gate * advantages, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
 
 
 @register_policy_loss("gmpo", "geo_mean")
@@ -249,9 +255,8 @@ def gmpo(
     clipped = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
     bound = sign * torch.minimum(sign * log_ratio, sign * clipped)
     per_seq = -seq_adv * torch.exp(masked_mean(bound, response_mask, dim=-1))
-    loss = _sequence_mean(per_seq, response_mask, agg_kwargs)
-    is_clipped = (sign * clipped < sign * log_ratio).expand_as(log_ratio)
-    return loss, loss_metrics(is_clipped, logp, old_logp, response_mask)
+    is_clipped = sign * clipped < sign * log_ratio
+    return _per_sequence(per_seq, logp, old_logp, response_mask, agg_kwargs, is_clipped)
 
 
 @register_policy_loss("gpg")
@@ -274,8 +279,7 @@ def gpg(
     anything. Nothing is clipped: ``clip_frac`` is 0.
     """
     old_logp, advantages = old_logp.detach(), advantages.detach()
-    loss = agg_loss(-advantages * logp, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, loss_metrics(torch.zeros_like(logp, dtype=torch.bool), logp, old_logp, response_mask)
+    return aggregated(-advantages * logp, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
 
 
 @register_policy_loss("sppo")
@@ -299,12 +303,18 @@ def sppo(
     old_logp, advantages = old_logp.detach(), advantages.detach()
     seq_log_ratio = masked_sum(logp - old_logp, response_mask, dim=-1)
     target = masked_mean(advantages, response_mask, dim=-1)
-    loss = _sequence_mean((seq_log_ratio - target).square(), response_mask, agg_kwargs)
-    return loss, loss_metrics(torch.zeros_like(logp, dtype=torch.bool), logp, old_logp, response_mask)
+    return _per_sequence((seq_log_ratio - target).square(), logp, old_logp, response_mask, agg_kwargs)
 
 
-def _sequence_mean(per_seq: Tensor, response_mask: Tensor, agg_kwargs: dict[str, Any] | None) -> Tensor:
-    """Σ_i L_i / N_seqs for a loss defined per sequence: `agg_loss`'s seq-mean-token-mean of L_i spread
-    over each row's tokens, so the mini-batch's `num_seqs` divides it under gradient accumulation."""
+def _per_sequence(
+    per_seq: Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    response_mask: Tensor,
+    agg_kwargs: dict[str, Any] | None,
+    is_clipped: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Σ_i L_i / N_seqs for a loss defined per sequence: the seq-mean-token-mean of L_i spread over each
+    row's tokens, so the mini-batch's `num_seqs` divides it under gradient accumulation."""
     spread = per_seq[:, None].expand(response_mask.shape)
-    return agg_loss(spread, response_mask, "seq-mean-token-mean", **(agg_kwargs or {}))
+    return aggregated(spread, logp, old_logp, response_mask, "seq-mean-token-mean", agg_kwargs, is_clipped)
