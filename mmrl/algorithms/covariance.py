@@ -54,8 +54,8 @@ def kl_cov(
     k = ⌊r·N⌋ valid tokens of largest Cov_t (r = ``kl_cov_ratio``, β = ``kl_cov_coef``).
 
     Choices: the surrogate is the unclipped ρ·A, as in the paper's formula; the KL of π_θ from π_old on a
-    selected token is estimated by |log ρ_t|, as the authors' released code does; ties in Cov are broken
-    by position. Adds ``kl_cov_frac``, the share of valid tokens penalised.
+    selected token is estimated by |log ρ_t|, as the authors' released code does; among tokens tied at
+    the k-th covariance, `torch.topk` picks. Adds ``kl_cov_frac``, the share of valid tokens penalised.
     """
     old_logp, advantages = old_logp.detach(), advantages.detach()
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)

@@ -148,7 +148,8 @@ class PromptSource(RolloutSource):
         draws = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + step)
         keep = self.policy_filter(batch["scores"], groups_of(batch), draws)
         metrics["policy_filtration/kept_rows"] = int(keep.sum())
-        metrics["policy_filtration/kept_reward_mean"] = float(batch["scores"][keep].mean())
+        if keep.any():  # the mean score of what trains, beside reward/mean of everything sampled
+            metrics["policy_filtration/kept_reward_mean"] = float(batch["scores"][keep].mean())
         return batch.select(keep.nonzero().squeeze(1))
 
     def _scored_rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
