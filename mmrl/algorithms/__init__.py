@@ -40,6 +40,7 @@ from mmrl.algorithms.kl_control import (
     KLController,
     kl_reward_penalty,
 )
+from mmrl.algorithms.lm_loss import positive_example_nll
 from mmrl.algorithms.logits import BLOCKED_LOGIT, block_tokens, entropy_from_logits, logprobs_from_logits
 from mmrl.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from mmrl.algorithms.policy_loss import (
@@ -111,6 +112,7 @@ __all__ = [
     "needs_of",
     "opo",
     "overlong_penalty",
+    "positive_example_nll",
     "ppo_clip",
     "register_advantage_estimator",
     "register_kl_estimator",

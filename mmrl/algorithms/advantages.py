@@ -284,7 +284,7 @@ def remax(
     return _broadcast(scores - baseline_scores.float(), response_mask), _broadcast(scores, response_mask)
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=Needs(critic=True))
 @torch.no_grad()
 def gae(
     token_rewards: Tensor,
@@ -294,6 +294,8 @@ def gae(
     values: Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    critic_lam: float | None = None,
+    length_adaptive_alpha: float | None = None,
     eps: float = 1e-6,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
@@ -304,6 +306,19 @@ def gae(
     tokens, the critic regresses on R. λ trades the critic's bias (λ→0) for the return's
     variance (λ=1 gives R_t − V_t with R_t the discounted return-to-go). Masked tokens are
     skipped, not discounted through.
+
+    VAPO (Yue et al. 2025, "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning
+    Tasks", arXiv 2504.05118) adds two options:
+
+    - Decoupled-GAE: the critic's returns use their own λ, ``critic_lam`` (VAPO: 1.0, the unbiased
+      Monte-Carlo return, as long bootstrapped chains carry the critic's bias back to the first
+      tokens), and the policy's advantages use ``lam``; ``critic_lam=None`` uses ``lam`` for both.
+    - Length-Adaptive GAE: the policy's λ is set per response of l valid tokens to
+      λ_policy = 1 − 1/(α·l) (α = ``length_adaptive_alpha``, VAPO: 0.05), so that the TD errors' total
+      weight Σ_t λ^t = 1/(1 − λ) = α·l grows with the length: a long response's first tokens still see
+      its final reward, a short one's advantage keeps a low variance. It replaces
+      ``lam`` for the policy. Choice: λ is clipped to [0, 1], as α·l < 1 (short responses) gives a
+      negative λ the paper, with thousands of tokens, never meets.
     """
     if values is None:
         raise ValueError("gae needs values=<Tensor[B, T], the critic's value of each response token>")
@@ -312,6 +327,24 @@ def gae(
     mask = response_mask.bool()
     rewards = torch.where(mask, token_rewards.float(), 0.0)
     values = torch.where(mask, values.float(), 0.0)
+    rows = rewards.new_ones(rewards.shape[0])
+    policy_lam = rows * lam
+    if length_adaptive_alpha is not None:
+        lengths = mask.sum(-1).clamp(min=1).float()
+        policy_lam = (1 - 1 / (length_adaptive_alpha * lengths)).clamp(0.0, 1.0)
+    critic_lam_rows = rows * (lam if critic_lam is None else critic_lam)
+    advantages = _td_sums(rewards, values, mask, gamma, policy_lam)
+    critic_advantages = (
+        advantages
+        if torch.equal(critic_lam_rows, policy_lam)
+        else _td_sums(rewards, values, mask, gamma, critic_lam_rows)
+    )
+    returns = critic_advantages + values
+    return masked_whiten(advantages, mask, eps), returns
+
+
+def _td_sums(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: Tensor) -> Tensor:
+    """Â_t = Σ_l (γλ)^l δ_{t+l} over each row's valid tokens, λ [B] one per row; 0 on padding."""
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(rewards.shape[0])
     running = rewards.new_zeros(rewards.shape[0])
@@ -320,8 +353,7 @@ def gae(
         running = torch.where(mask[:, t], delta + gamma * lam * running, running)
         next_value = torch.where(mask[:, t], values[:, t], next_value)
         advantages[:, t] = torch.where(mask[:, t], running, 0.0)
-    returns = advantages + values
-    return masked_whiten(advantages, mask, eps), returns
+    return advantages
 
 
 @register_advantage_estimator("gigpo")

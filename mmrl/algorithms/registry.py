@@ -25,11 +25,14 @@ class Needs:
     - ``exact_on_policy``: every update must be the first and only one on freshly sampled responses
       (one epoch, one mini-batch per step, no rollouts sent ahead), so π_θ = π_old throughout.
     - ``rows_per_group``: a response filter keeps at most this many of each group.
+    - ``critic``: it needs a learned value of every response token (``values=``), so the run trains a
+      critic (`mmrl.training.critic`).
     """
 
     groups: bool = False
     exact_on_policy: bool = False
     rows_per_group: int | None = None
+    critic: bool = False
 
 
 def needs_of(fn: Callable[..., Any]) -> Needs:

@@ -159,7 +159,10 @@ def check_dapo(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
 
 def check_critic_warmup(algorithm: AlgorithmConfig, critic: CriticConfig, trainer: TrainerConfig) -> None:
     """The critic's warm-up steps come out of the run's, and some must be left for the actor."""
-    if algorithm.adv_estimator == "gae" and critic.pretrain_steps >= trainer.total_steps:
+    if (
+        _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).critic
+        and critic.pretrain_steps >= trainer.total_steps
+    ):
         raise ValueError(
             f"critic.pretrain_steps ({critic.pretrain_steps}) must be below trainer.total_steps "
             f"({trainer.total_steps}), or the actor never trains"
@@ -256,4 +259,22 @@ def check_exact_on_policy(
         raise ValueError(
             f"algorithm.adv_estimator={algorithm.adv_estimator} trains exactly on-policy: one optimizer step "
             f"on each freshly sampled batch. Set {'; '.join(fixes)}"
+        )
+
+
+def check_critic_options(algorithm: AlgorithmConfig) -> None:
+    """VAPO's λ options shape the advantages of an estimator with a critic; elsewhere they would do
+    nothing, so they are refused rather than ignored."""
+    if _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).critic:
+        return
+    set_keys = {
+        "algorithm.critic_lam": algorithm.critic_lam,
+        "algorithm.length_adaptive_alpha": algorithm.length_adaptive_alpha,
+    }
+    named = [key for key, value in set_keys.items() if value is not None]
+    if named:
+        raise ValueError(
+            f"{' and '.join(named)} set GAE's λ for a learned critic, and "
+            f"algorithm.adv_estimator={algorithm.adv_estimator} has none: use algorithm.adv_estimator=gae "
+            f"or leave {' and '.join(named)} unset"
         )

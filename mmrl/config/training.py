@@ -27,7 +27,25 @@ class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
     gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD")
+    lam: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD. The policy's and, unless "
+        "algorithm.critic_lam is set, the critic's",
+    )
+    critic_lam: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="VAPO's decoupled GAE: λ of the critic's returns (VAPO: 1.0); default algorithm.lam",
+    )
+    length_adaptive_alpha: float | None = Field(
+        None,
+        gt=0,
+        description="VAPO's length-adaptive GAE: the policy's λ = 1 − 1/(α·l) per response of l tokens, "
+        "in place of algorithm.lam (VAPO: α = 0.05); null: off",
+    )
     step_weight: float = Field(
         1.0, ge=0, description="GiGPO's ω: the weight of the step-level advantage beside the episode's"
     )
@@ -63,6 +81,8 @@ class AlgorithmConfig(Section):
             "norm_adv_by_std": self.norm_adv_by_std,
             "gamma": self.gamma,
             "lam": self.lam,
+            "critic_lam": self.critic_lam,
+            "length_adaptive_alpha": self.length_adaptive_alpha,
             "eta": self.sppo_eta,
         }
 
@@ -129,6 +149,12 @@ class ActorConfig(OptimSection):
     )
     clip_cov_lb: float = Field(1.0, description="clip_cov: tokens are drawn from covariances above this")
     clip_cov_ub: float = Field(5.0, description="clip_cov: and below this")
+    positive_lm_coef: float = Field(
+        0.0,
+        ge=0,
+        description="VAPO's μ: weight of the language-model loss (NLL) on responses with a positive "
+        "score, added to the policy loss (VAPO: 0.1); 0: off",
+    )
     loss_agg_mode: LossAggMode = "token-mean"
     use_kl_loss: bool = True
     kl_loss_coef: float = Field(0.01, ge=0)
@@ -174,7 +200,11 @@ class ActorConfig(OptimSection):
 
 class CriticConfig(OptimSection):
     """The learned value function of `algorithm.adv_estimator=gae` (PPO): the policy's architecture
-    with a scalar value head, trained on the same mini-batches as the actor."""
+    with a scalar value head, trained on the same mini-batches as the actor.
+
+    VAPO's value pretraining is ``pretrain_steps`` with ``algorithm.critic_lam=1``: for those steps the
+    actor waits, so the responses come from the fixed starting policy, and the critic regresses on their
+    Monte-Carlo returns until its value is no longer the biased guess of a fresh head."""
 
     model_path: str | None = Field(
         None, description="Where its trunk starts; default: the policy's start (after any format warm-up)"
@@ -184,7 +214,10 @@ class CriticConfig(OptimSection):
     cliprange_value: float = Field(0.5, gt=0, description="PPO value clipping: V moves at most this far")
     loss_agg_mode: LossAggMode = "token-mean"
     pretrain_steps: int = Field(
-        0, ge=0, description="Critic warm-up: the first N steps train only the critic, the actor waits"
+        0,
+        ge=0,
+        description="Critic warm-up (VAPO's value pretraining): the first N steps train only the critic "
+        "on responses of the fixed starting policy, the actor waits",
     )
 
 

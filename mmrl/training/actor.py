@@ -16,6 +16,7 @@ from mmrl.algorithms import (
     kl_penalty,
     masked_mean,
     needs_of,
+    positive_example_nll,
 )
 from mmrl.config import ActorConfig, Config
 from mmrl.data.batch import Batch
@@ -138,6 +139,10 @@ class Actor:
             )
             loss = loss + cfg.kl_loss_coef * kl
             stats["actor/kl_loss"] = float(kl.detach())
+        if cfg.positive_lm_coef:  # VAPO: imitate the responses that scored above 0
+            nll = positive_example_nll(logp, mask, micro["scores"].to(device), **totals)
+            loss = loss + cfg.positive_lm_coef * nll
+            stats["actor/positive_lm_loss"] = float(nll.detach())
         if router_losses:  # a micro-batch's share of the mini-batch's load-balancing loss
             router = router_losses[0] * len(micro) / totals["num_seqs"]
             loss = loss + cfg.router_aux_loss_coef * router
