@@ -15,11 +15,14 @@ from mmrl.models import load_policy, load_processor, never_generated_ids
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.training.actor import Actor
 from mmrl.training.forward import forward_logprobs
+from mmrl.training.optim import plan_minibatches
 
 
-def _reference_loss(model, batch, pad_id: int) -> torch.Tensor:
-    """Token-mean of −A·log π over valid response tokens, one sequence at a time."""
+def _reference_loss(model, batch, pad_id: int, positive_lm_coef: float = 0.0) -> torch.Tensor:
+    """Token-mean of −A·log π over valid response tokens, one sequence at a time; with `positive_lm_coef`
+    μ, plus μ times the token-mean of −log π over the responses that scored above 0 (VAPO)."""
     total, tokens = torch.zeros(()), batch["response_mask"].sum()
+    nll, positive_tokens = torch.zeros(()), 0
     blocked = never_generated_ids(model.config)
     for row in range(len(batch)):
         prompt = batch.prompts[int(batch["prompt_index"][row])]
@@ -42,7 +45,9 @@ def _reference_loss(model, batch, pad_id: int) -> torch.Tensor:
         logits[:, blocked] = -1e9
         logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
         total = total - (batch["advantages"][row, :length] * logp).sum()
-    return total / tokens
+        if positive_lm_coef and batch["scores"][row] > 0:
+            nll, positive_tokens = nll - logp.sum(), positive_tokens + length
+    return total / tokens + (positive_lm_coef * nll / positive_tokens if positive_tokens else 0.0)
 
 
 @pytest.mark.parametrize("correction", [None, "tis"])
@@ -85,6 +90,44 @@ def test_actor_gradient_equals_the_textbook_policy_gradient(tiny_model_dir, corr
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     _reference_loss(model, expected, processor.tokenizer.pad_token_id).backward()
+    theirs = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert ours.keys() == theirs.keys() and len(ours) > 50
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_positive_example_lm_loss_adds_the_nll_of_positive_responses(tiny_model_dir) -> None:
+    """VAPO's μ·L_NLL (`actor.positive_lm_coef`) through the actor's micro-batches equals the textbook
+    token-mean NLL of the responses scored above 0, divided by the mini-batch's count of their tokens."""
+    model = load_policy(tiny_model_dir)
+    processor = load_processor(tiny_model_dir)
+    torch.manual_seed(0)
+    batch = HFEngine(model, processor).generate(
+        mixed_prompts(processor), SamplingParams(n=3, temperature=1.0, max_new_tokens=6)
+    )
+    mask = batch["response_mask"]
+    batch.set(advantages=torch.randn(len(batch))[:, None].expand_as(mask).clone() * mask)
+    batch.set(scores=torch.tensor([1.0, 0.0, -1.0, 0.5] * len(batch))[: len(batch)])
+    cfg = ActorConfig(
+        lr=1e-3,
+        mini_batch_size=4,
+        micro_batch_size=5,
+        use_kl_loss=False,
+        entropy_coef=0.0,
+        positive_lm_coef=0.5,
+    )
+    actor = Actor(
+        model, cfg, processor.tokenizer.pad_token_id, temperature=1.0, response_len=6, total_updates=1
+    )
+    (step,) = plan_minibatches(batch, len(batch), 1, horizon=6)
+    assert step.totals["num_positive_tokens"] == float(mask[batch["scores"] > 0].sum())
+    model.train()
+    model.zero_grad()
+    losses = [actor._micro_step(micro, step.totals)["actor/positive_lm_loss"] for micro in batch.split(5)]
+    assert all(loss > 0 for loss in losses)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    _reference_loss(model, batch, processor.tokenizer.pad_token_id, positive_lm_coef=0.5).backward()
     theirs = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert ours.keys() == theirs.keys() and len(ours) > 50
     for name in ours:
