@@ -11,7 +11,8 @@ threshold keeps its margin from.
     python bench/learning_spread.py --runs grpo dapo --seeds 1 2 3 --threads 1 2 --isa native avx2 --out /tmp/spread.json
 
 The algorithms without a learning test of their own (`VARIANTS`: CISPO, SAPO, GMPO, GPG, OPO, KL-Cov,
-Clip-Cov, PF-PPO, SPPO) run as the `grpo` run with their keys on top, for the spread table of each:
+Clip-Cov, PF-PPO, SPPO) run as the `grpo` run with their keys on top, VAPO as the `ppo` run with its
+keys, for the spread table of each:
 
     python bench/learning_spread.py --runs grpo cispo sapo gmpo --seeds 1 2 3 --isa native
 """
@@ -52,6 +53,16 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "clip_cov": ("grpo", ("actor.policy_loss=clip_cov", *OFF_POLICY)),
     "pf_ppo": ("grpo", ("algorithm.policy_filtration=best_worst",)),
     "sppo": ("grpo", ("algorithm.adv_estimator=sppo", "actor.policy_loss=sppo", *OFF_POLICY)),
+    # configs/quickstart_vapo.yaml's keys on the `ppo` run (its critic, pretraining and clip-higher)
+    "vapo": (
+        "ppo",
+        (
+            "algorithm.critic_lam=1.0",
+            "algorithm.length_adaptive_alpha=0.5",
+            "actor.positive_lm_coef=0.1",
+            "reward.functions=[{name: answer_match, weight: 1.0}]",
+        ),
+    ),
 }
 
 # fp32 only: on AVX-512 CPUs, ATen's bfloat16 kernels fail under this cap (the learning runs are fp32).
