@@ -34,9 +34,10 @@ RUNS: dict[str, tuple[list[str], Callable[[dict], bool]]] = {
         ["algorithm.adv_estimator=gpg", "actor.policy_loss=gpg", "actor.use_kl_loss=false"],
         lambda m: True,
     ),
+    # exactly on-policy: one optimizer step, so no π_old pass, and π_θ = π_old at it
     "opo": (
         ["algorithm.adv_estimator=opo", "actor.use_kl_loss=false", "actor.entropy_coef=0"],
-        lambda m: True,
+        lambda m: m["actor/updates"] == 1 and "timing/old_logprobs" not in m and m["actor/approx_kl"] == 0,
     ),
     "kl_cov": (
         ["actor.policy_loss=kl_cov", "actor.kl_cov_ratio=0.01", *TWO_EPOCHS],
