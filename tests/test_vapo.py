@@ -132,8 +132,15 @@ def test_value_pretraining_must_leave_steps_for_the_actor() -> None:
         load_config(VAPO, ["trainer.total_steps=5"])
 
 
+# Half the responses, by their text, score 1 and the others −1: positive examples for the LM loss and a
+# reward that differs between responses, so the critic has targets (a random tiny model is never right).
+SIGNED = "def signed(sample):\n    return 1.0 if sum(map(ord, sample.response)) % 2 else -1.0\n"
+
+
 def test_vapo_recipe_pretrains_the_value_then_trains_both(tmp_path: Path, tiny_model_dir: Path) -> None:
     generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    reward = tmp_path / "signed.py"
+    reward.write_text(SIGNED)
     code = main(
         [
             "train",
@@ -146,10 +153,11 @@ def test_vapo_recipe_pretrains_the_value_then_trains_both(tmp_path: Path, tiny_m
             "data.min_pixels=3136",
             "data.max_pixels=3136",
             "critic.pretrain_steps=1",
+            f"reward.functions=[{{name: '{reward}:signed'}}]",
         ]
     )
     assert code == 0
     first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert "critic/vf_loss" in first and "actor/pg_loss" not in first  # value pretraining: the actor waits
     assert "critic/vf_loss" in second and "actor/pg_loss" in second
-    assert second["actor/positive_lm_loss"] >= 0  # an NLL, 0 when no response scored
+    assert second["actor/positive_lm_loss"] > 0  # the NLL of the responses that scored 1
