@@ -204,7 +204,8 @@ class CriticConfig(OptimSection):
 
     VAPO's value pretraining is ``pretrain_steps`` with ``algorithm.critic_lam=1``: for those steps the
     actor waits, so the responses come from the fixed starting policy, and the critic regresses on their
-    Monte-Carlo returns until its value is no longer the biased guess of a fresh head."""
+    Monte-Carlo returns. The paper trains until the value loss and explained variance settle; here the
+    number of steps is fixed (watch ``critic/vf_loss``)."""
 
     model_path: str | None = Field(
         None, description="Where its trunk starts; default: the policy's start (after any format warm-up)"
