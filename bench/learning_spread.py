@@ -9,6 +9,12 @@ accuracy before and after and the gain, per run, and the worst gain per recipe: 
 threshold keeps its margin from.
 
     python bench/learning_spread.py --runs grpo dapo --seeds 1 2 3 --threads 1 2 --isa native avx2 --out /tmp/spread.json
+
+The algorithms without a learning test of their own (`VARIANTS`: CISPO, SAPO, GMPO, GPG, OPO, KL-Cov,
+Clip-Cov, PF-PPO, SPPO) run as the `grpo` run with their keys on top, VAPO as the `ppo` run with its
+keys, for the spread table of each:
+
+    python bench/learning_spread.py --runs grpo cispo sapo gmpo --seeds 1 2 3 --isa native
 """
 
 from __future__ import annotations
@@ -29,6 +35,35 @@ from common import REPO, machine, write_result
 
 sys.path.insert(0, str(REPO / "tests"))
 from learning_runs import RUNS
+
+# name: (the learning run it starts from, the overrides that select it). The quickstart takes one optimizer
+# step a batch, where every ratio is 1 and the losses that differ in how they treat ratios train alike:
+# those take four (mini-batches of 8 prompts), so that three of them see π_θ ≠ π_old.
+OFF_POLICY = ("actor.mini_batch_size=8",)
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "cispo": ("grpo", ("actor.policy_loss=cispo", *OFF_POLICY)),
+    "sapo": ("grpo", ("actor.policy_loss=sapo", "actor.loss_agg_mode=seq-mean-token-mean", *OFF_POLICY)),
+    "gmpo": (
+        "grpo",
+        ("actor.policy_loss=gmpo", "actor.clip_ratio_low=0.4", "actor.clip_ratio_high=0.4", *OFF_POLICY),
+    ),
+    "gpg": ("grpo", ("algorithm.adv_estimator=gpg", "actor.policy_loss=gpg")),
+    "opo": ("grpo", ("algorithm.adv_estimator=opo",)),
+    "kl_cov": ("grpo", ("actor.policy_loss=kl_cov", "actor.kl_cov_ratio=0.002", *OFF_POLICY)),
+    "clip_cov": ("grpo", ("actor.policy_loss=clip_cov", *OFF_POLICY)),
+    "pf_ppo": ("grpo", ("algorithm.policy_filtration=best_worst",)),
+    "sppo": ("grpo", ("algorithm.adv_estimator=sppo", "actor.policy_loss=sppo", *OFF_POLICY)),
+    # configs/quickstart_vapo.yaml's keys on the `ppo` run (its critic, pretraining and clip-higher)
+    "vapo": (
+        "ppo",
+        (
+            "algorithm.critic_lam=1.0",
+            "algorithm.length_adaptive_alpha=0.5",
+            "actor.positive_lm_coef=0.1",
+            "reward.functions=[{name: answer_match, weight: 1.0}]",
+        ),
+    ),
+}
 
 # fp32 only: on AVX-512 CPUs, ATen's bfloat16 kernels fail under this cap (the learning runs are fp32).
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
@@ -52,12 +87,14 @@ def run_one(
     name: str, seed: int, threads: int, isa: str, workdir: Path, extra: tuple[str, ...]
 ) -> dict[str, Any]:
     """One test-sized run in a fresh subprocess; its validations and wall time."""
+    base, selected = VARIANTS.get(name, (name, ()))
+    extra = (*selected, *extra)
     root = workdir / f"{name}-s{seed}-t{threads}-{isa}"
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env |= AVX2 if isa == "avx2" else {}
     code = CHILD.format(
-        tests=str(REPO / "tests"), threads=threads, root=str(root), name=name, seed=seed, extra=extra
+        tests=str(REPO / "tests"), threads=threads, root=str(root), name=base, seed=seed, extra=extra
     )
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
@@ -78,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, *VARIANTS])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4])
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
     parser.add_argument("--isa", nargs="+", choices=["native", "avx2"], default=["native", "avx2"])
@@ -113,7 +150,7 @@ def main() -> None:
         if gains:
             print(
                 f"{name:<15} gain min {min(gains):.3f}  max {max(gains):.3f}  "
-                f"(threshold {RUNS[name].min_gain:.2f}, {len(gains)} runs)"
+                f"(threshold {RUNS[VARIANTS.get(name, (name,))[0]].min_gain:.2f}, {len(gains)} runs)"
             )
     write_result(args.out, {"machine": machine(), "results": results})
 

@@ -33,6 +33,20 @@ from mmrl.training.optim import UpdateStats, plan_minibatches
 
 BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=112 * 112)
 
+# A tiny `mmrl train` on the quickstart recipe: two steps of 4 prompts x 2 responses, no validation,
+# checkpoints, warm-up or progress bar.
+FAST = [
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.progress=false",
+    "trainer.loggers=[jsonl]",
+    "warmup.steps=0",
+    "data.train_batch_size=4",
+    "actor.mini_batch_size=4",
+    "rollout.n=2",
+]
+
 
 def vllm_engine(model: Any, model_dir: Path, dtype: torch.dtype, settings: VLLMConfig) -> Any:
     """A real vLLM engine over `model` (saved in `model_dir`) at the suite's pixel budget."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from algorithm_cases import GROUPS, MASK, PAD, REWARDS, SCORES, close, per_token, ppo_batch
 from torch import Tensor
 
 from mmrl.algorithms import (
@@ -35,40 +36,6 @@ from mmrl.algorithms import (
     remax,
     rloo,
 )
-
-PAD = 99.0  # junk written on padding: any result it reaches is wrong
-
-
-def close(actual: Tensor, expected: list | float, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
-
-
-# ---------------------------------------------------------------- advantages
-# Seven responses, T = 3, outcome score on the last valid token, junk on padding.
-# group 7: rows 0, 2, 4, 6 with scores 1, 0, 0, 1   (a normal group)
-# group 3: row 1 with score 5                        (a group of one)
-# group 1: rows 3, 5 with scores 2, 2                (an all-equal group)
-REWARDS = torch.tensor(
-    [
-        [0.0, 0.0, 1.0],
-        [0.0, 5.0, PAD],
-        [0.0, PAD, PAD],
-        [0.0, 2.0, PAD],
-        [0.0, 0.0, PAD],
-        [0.0, 0.0, 2.0],
-        [0.0, 0.0, 1.0],
-    ]
-)
-MASK = torch.tensor(
-    [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.float32
-)
-GROUPS = torch.tensor([7, 3, 7, 1, 7, 1, 7])
-SCORES = [1.0, 5.0, 0.0, 2.0, 0.0, 2.0, 1.0]
-
-
-def per_token(per_seq: list[float]) -> list[list[float]]:
-    """Spread one value per row over that row's valid tokens of MASK (0 on padding)."""
-    return [[v * m for m in row] for v, row in zip(per_seq, MASK.tolist(), strict=True)]
 
 
 def test_grpo_unbiased_std_by_hand() -> None:
@@ -210,23 +177,6 @@ def test_group_estimators_give_zero_to_singletons_and_equal_groups(name: str) ->
 
 
 # ---------------------------------------------------------------- policy losses
-def ppo_batch() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows of 3 valid tokens + 1 padding; ratios ρ and advantages A chosen per token.
-
-    row 0: (A=+1, ρ=1.5) (A=−1, ρ=1.5) (A=+1, ρ=0.5) | pad
-    row 1: (A=−1, ρ=0.5) (A=+2, ρ=1.0) (A=+1, ρ=1.25) | pad
-    Padding has a huge ratio and advantage: it would dominate the loss if it leaked in.
-    """
-    ratios = torch.tensor([[1.5, 1.5, 0.5, 1.0], [0.5, 1.0, 1.25, 1.0]])
-    old_logp = torch.full((2, 4), -1.0)
-    logp = (old_logp + ratios.log()).clone()
-    logp[:, 3] = 40.0
-    logp.requires_grad_(True)
-    advantages = torch.tensor([[1.0, -1.0, 1.0, 50.0], [-1.0, 2.0, 1.0, 50.0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.float32)
-    return logp, old_logp, advantages, mask
-
-
 def test_ppo_clip_asymmetric_by_hand() -> None:
     # ε_low = 0.2, ε_high = 0.3 → range [0.8, 1.3]; L = max(−Aρ, −A·clip(ρ))
     # (+1, 1.5): max(−1.5, −1.3) = −1.3   clipped (positive A, ratio above range)

@@ -6,22 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import FAST
 from PIL import Image
 
 from mmrl.cli import main
 from mmrl.run.logger import read_metrics
-
-FAST = [
-    "trainer.total_steps=2",
-    "trainer.val_every=0",
-    "trainer.save_every=0",
-    "trainer.progress=false",
-    "trainer.loggers=[jsonl]",
-    "warmup.steps=0",
-    "data.train_batch_size=4",
-    "actor.mini_batch_size=4",
-    "rollout.n=2",
-]
 
 
 def _mixed_dataset(folder: Path) -> Path:

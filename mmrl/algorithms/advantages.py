@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from mmrl.algorithms.masked import masked_sum, masked_whiten
-from mmrl.algorithms.registry import lookup, register
+from mmrl.algorithms.registry import Needs, lookup, register
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 
@@ -28,10 +28,14 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
 def register_advantage_estimator(
-    name: str, *aliases: str
+    name: str, *aliases: str, needs: Needs | None = None
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Add `fn(token_rewards, response_mask, group_index, **kwargs) -> (advantages, returns)`."""
-    return register(ADVANTAGE_ESTIMATORS, name, *aliases)
+    """Add `fn(token_rewards, response_mask, group_index, **kwargs) -> (advantages, returns)`;
+    `needs` says what it asks of the run (`mmrl.algorithms.Needs`)."""
+    return register(ADVANTAGE_ESTIMATORS, name, *aliases, needs=needs)
+
+
+GROUPS = Needs(groups=True)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
@@ -61,20 +65,25 @@ def _group_sum(values: Tensor, ids: Tensor) -> Tensor:
     return torch.zeros_like(values).index_add_(0, ids, values)[ids]
 
 
-def _group_centred(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(s_i − mean of its group, group size, dense group ids), each [B].
+def _group_shifted(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor]:
+    """(s_i − max of its group, dense group ids), each [B].
 
-    Scores are first shifted by their group's max: then an all-equal group centres to
-    exactly 0 instead of to ±1 ulp of rounding, which a division by σ + eps would inflate.
+    Baselines are taken of the shifted scores: then an all-equal group centres to exactly 0
+    instead of to ±1 ulp of rounding, which a division by σ + eps would inflate.
     """
     ids = torch.unique(group_index, return_inverse=True)[1]
     group_max = torch.zeros_like(scores).scatter_reduce(0, ids, scores, reduce="amax", include_self=False)
-    shifted = scores - group_max[ids]
+    return scores - group_max[ids], ids
+
+
+def _group_centred(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(s_i − mean of its group, group size, dense group ids), each [B]; exactly 0 for equal scores."""
+    shifted, ids = _group_shifted(scores, group_index)
     size = _group_sum(torch.ones_like(scores), ids)
     return shifted - _group_sum(shifted, ids) / size, size, ids
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", needs=GROUPS)
 @torch.no_grad()
 def grpo(
     token_rewards: Tensor,
@@ -98,7 +107,7 @@ def grpo(
     return _broadcast(centred, response_mask), _broadcast(scores, response_mask)
 
 
-@register_advantage_estimator("drgrpo")
+@register_advantage_estimator("drgrpo", needs=GROUPS)
 @torch.no_grad()
 def drgrpo(
     token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
@@ -113,7 +122,7 @@ def drgrpo(
     return _broadcast(centred, response_mask), _broadcast(scores, response_mask)
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", needs=GROUPS)
 @torch.no_grad()
 def rloo(
     token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
@@ -127,6 +136,79 @@ def rloo(
     centred, size, _ = _group_centred(scores, group_index)
     leave_one_out = centred * size / (size - 1).clamp(min=1)
     return _broadcast(leave_one_out, response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("gpg", needs=GROUPS)
+@torch.no_grad()
+def gpg(
+    token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning", arXiv 2504.02546, §3, the corrected advantage): A_i = α·(s_i − mean_g(s)) / F_norm with
+    α = B / (B − M), B the rows of the batch and M those in groups without signal (all scores equal, or
+    a group of one), whose advantage is 0.
+
+    Those rows still count in the loss's mean, so they shrink every other row's gradient by (B − M)/B;
+    α undoes that shrinkage, so the gradient estimate does not depend on how many groups happened to be
+    all right or all wrong. Choice: F_norm = 1 (no std division, as the paper's plain policy gradient and
+    verl do; ``norm_adv_by_std`` is ignored). Pair it with ``actor.policy_loss=gpg``. A batch with no
+    signal at all gets 0 everywhere.
+    """
+    scores = _scores(token_rewards, response_mask)
+    centred, _, ids = _group_centred(scores, group_index)
+    has_signal = _group_sum(centred.abs(), ids) > 0  # exactly 0 for a group of one or of equals
+    rows, silent = len(scores), int((~has_signal).sum())
+    alpha = rows / max(rows - silent, 1)
+    return _broadcast(alpha * centred, response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("opo", needs=Needs(groups=True, exact_on_policy=True))
+@torch.no_grad()
+def opo(
+    token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585, §3, the
+    optimal baseline under its length assumption): A_i = s_i − b_g, b_g = Σ_j |y_j| s_j / Σ_j |y_j| over the group.
+
+    With a sequence's gradient norm growing with its length, the baseline that minimises the gradient's
+    variance weights each response's reward by its length; no std division. The paper's other half,
+    exact on-policy training, is this entry's `Needs.exact_on_policy`: the config refuses more than one
+    optimizer step per batch. A group of one gets 0 (verl gives it s_i; here it has nothing to compare
+    with, like every group estimator of this module).
+    """
+    scores = _scores(token_rewards, response_mask)
+    lengths = response_mask.bool().sum(-1).float()
+    shifted, ids = _group_shifted(scores, group_index)
+    baseline = _group_sum(lengths * shifted, ids) / _group_sum(lengths, ids).clamp(min=1)
+    return _broadcast(shifted - baseline, response_mask), _broadcast(scores, response_mask)
+
+
+@register_advantage_estimator("sppo", needs=GROUPS)
+@torch.no_grad()
+def sppo(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    eta: float = 1.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """SPPO's regression target (Wu et al. 2024, "Self-Play Preference Optimization for Language Model
+    Alignment", arXiv 2405.00675, Algorithm 1, the regression target): A_i = η·(P̂_i − ½), with P̂_i the estimated
+    probability that y_i beats the current policy, here the within-group win rate by score:
+
+    P̂_i = 1/n Σ_{j in group} (1[s_i > s_j] + ½·1[s_i = s_j]),
+
+    every response of the group counted, y_i itself included (a tie: ½), as the paper averages P(y ≻ y_k)
+    over all K samples. A group of one or of equals gets P̂ = ½, so 0. The loss that regresses the
+    sequence log-ratio on it is ``actor.policy_loss=sppo``; η is ``algorithm.sppo_eta``.
+    """
+    scores = _scores(token_rewards, response_mask)
+    ids = torch.unique(group_index, return_inverse=True)[1]
+    same_group = ids[:, None] == ids[None, :]
+    beats = (scores[:, None] > scores[None, :]).float() + 0.5 * (scores[:, None] == scores[None, :]).float()
+    win_rate = (beats * same_group).sum(1) / same_group.sum(1)
+    return _broadcast(eta * (win_rate - 0.5), response_mask), _broadcast(scores, response_mask)
 
 
 @register_advantage_estimator("reinforce_plus_plus")
@@ -202,7 +284,7 @@ def remax(
     return _broadcast(scores - baseline_scores.float(), response_mask), _broadcast(scores, response_mask)
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=Needs(critic=True))
 @torch.no_grad()
 def gae(
     token_rewards: Tensor,
@@ -212,6 +294,8 @@ def gae(
     values: Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    critic_lam: float | None = None,
+    length_adaptive_alpha: float | None = None,
     eps: float = 1e-6,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
@@ -222,6 +306,19 @@ def gae(
     tokens, the critic regresses on R. λ trades the critic's bias (λ→0) for the return's
     variance (λ=1 gives R_t − V_t with R_t the discounted return-to-go). Masked tokens are
     skipped, not discounted through.
+
+    VAPO (Yue et al. 2025, "VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning
+    Tasks", arXiv 2504.05118) adds two options:
+
+    - Decoupled-GAE: the critic's returns use their own λ, ``critic_lam`` (VAPO: 1.0, the unbiased
+      Monte-Carlo return, as long bootstrapped chains carry the critic's bias back to the first
+      tokens), and the policy's advantages use ``lam``; ``critic_lam=None`` uses ``lam`` for both.
+    - Length-Adaptive GAE: the policy's λ is set per response of l valid tokens to
+      λ_policy = 1 − 1/(α·l) (α = ``length_adaptive_alpha``, VAPO: 0.05), so that the TD errors' total
+      weight Σ_t λ^t = 1/(1 − λ) = α·l grows with the length: a long response's first tokens still see
+      its final reward, a short one's advantage keeps a low variance. It replaces
+      ``lam`` for the policy. Choice: λ is clipped to [0, 1], as α·l < 1 (short responses) gives a
+      negative λ the paper, with thousands of tokens, never meets.
     """
     if values is None:
         raise ValueError("gae needs values=<Tensor[B, T], the critic's value of each response token>")
@@ -230,6 +327,24 @@ def gae(
     mask = response_mask.bool()
     rewards = torch.where(mask, token_rewards.float(), 0.0)
     values = torch.where(mask, values.float(), 0.0)
+    rows = rewards.new_ones(rewards.shape[0])
+    policy_lam = rows * lam
+    if length_adaptive_alpha is not None:
+        lengths = mask.sum(-1).clamp(min=1).float()
+        policy_lam = (1 - 1 / (length_adaptive_alpha * lengths)).clamp(0.0, 1.0)
+    critic_lam_rows = rows * (lam if critic_lam is None else critic_lam)
+    advantages = _td_sums(rewards, values, mask, gamma, policy_lam)
+    critic_advantages = (
+        advantages
+        if torch.equal(critic_lam_rows, policy_lam)
+        else _td_sums(rewards, values, mask, gamma, critic_lam_rows)
+    )
+    returns = critic_advantages + values
+    return masked_whiten(advantages, mask, eps), returns
+
+
+def _td_sums(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: Tensor) -> Tensor:
+    """Â_t = Σ_l (γλ)^l δ_{t+l} over each row's valid tokens, λ [B] one per row; 0 on padding."""
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(rewards.shape[0])
     running = rewards.new_zeros(rewards.shape[0])
@@ -238,8 +353,7 @@ def gae(
         running = torch.where(mask[:, t], delta + gamma * lam * running, running)
         next_value = torch.where(mask[:, t], values[:, t], next_value)
         advantages[:, t] = torch.where(mask[:, t], running, 0.0)
-    returns = advantages + values
-    return masked_whiten(advantages, mask, eps), returns
+    return advantages
 
 
 @register_advantage_estimator("gigpo")

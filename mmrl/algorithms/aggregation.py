@@ -24,6 +24,7 @@ def agg_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     horizon: int | None = None,
+    **other_totals: float,
 ) -> Tensor:
     """Aggregate `values` [B, T] over the valid tokens of `mask`; L_i = length of sequence i.
 
@@ -34,7 +35,8 @@ def agg_loss(
       such as the maximum response length (required: the padded width of a micro-batch varies)
 
     N_tokens / N_seqs default to the local valid-token count and the number of sequences with at
-    least one valid token; pass the global counts, counted the same way, when accumulating.
+    least one valid token; pass the global counts, counted the same way, when accumulating. A
+    mini-batch's other totals (`mmrl.training.optim.MiniBatch`) are ignored, so they can be passed whole.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {LOSS_AGG_MODES}")

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from mmrl.algorithms.aggregation import agg_loss
-from mmrl.algorithms.masked import masked_mean
+from mmrl.algorithms.masked import masked_mean, masked_sum
 from mmrl.algorithms.registry import lookup, register
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
@@ -25,7 +25,7 @@ PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 # exp(20) ≈ 5e8: far outside any clip range, yet far from float overflow.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 
 
 def register_policy_loss(name: str, *aliases: str) -> Callable[[PolicyLoss], PolicyLoss]:
@@ -44,7 +44,7 @@ def get_policy_loss(name: str) -> PolicyLoss:
     )
 
 
-def _clipped_surrogate(
+def clipped_surrogate(
     log_ratio: Tensor, advantages: Tensor, low: float, high: float
 ) -> tuple[Tensor, Tensor]:
     """Per-token max(−A·ρ, −A·clip(ρ, 1−low, 1+high)) with ρ = exp(log_ratio); also where clipping won.
@@ -52,16 +52,28 @@ def _clipped_surrogate(
     Taking the larger loss (the pessimistic bound) means a ratio that has already moved
     past the range in the advantage's direction gets no further push.
     """
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - low, 1 + high)
     is_clipped = clipped > unclipped
     return torch.where(is_clipped, clipped, unclipped), is_clipped
 
 
-def _metrics(is_clipped: Tensor, logp: Tensor, old_logp: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
-    return {
-        "clip_frac": masked_mean(is_clipped.float(), response_mask).detach(),
+def aggregated(
+    token_loss: Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str,
+    agg_kwargs: dict[str, Any] | None,
+    is_clipped: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A per-token loss reduced by `agg_loss`, and the metrics every policy loss reports: ``clip_frac``,
+    the share of valid tokens in `is_clipped` (none when it is None), and ``approx_kl``."""
+    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
+    clipped = torch.zeros_like(token_loss) if is_clipped is None else is_clipped.float()
+    return loss, {
+        "clip_frac": masked_mean(clipped, response_mask).detach(),
         "approx_kl": masked_mean(old_logp - logp, response_mask).detach(),
     }
 
@@ -86,9 +98,8 @@ def ppo_clip(
     unlikely tokens with positive advantage grow, which keeps entropy from collapsing.
     """
     old_logp, advantages = old_logp.detach(), advantages.detach()
-    token_loss, is_clipped = _clipped_surrogate(logp - old_logp, advantages, clip_ratio_low, clip_ratio_high)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, _metrics(is_clipped, logp, old_logp, response_mask)
+    token_loss, is_clipped = clipped_surrogate(logp - old_logp, advantages, clip_ratio_low, clip_ratio_high)
+    return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped)
 
 
 @register_policy_loss("dual_clip")
@@ -114,12 +125,13 @@ def dual_clip(
     if clip_ratio_c <= 1.0:
         raise ValueError(f"dual_clip needs clip_ratio_c > 1, got {clip_ratio_c}")
     old_logp, advantages = old_logp.detach(), advantages.detach()
-    token_loss, is_clipped = _clipped_surrogate(logp - old_logp, advantages, clip_ratio_low, clip_ratio_high)
+    token_loss, is_clipped = clipped_surrogate(logp - old_logp, advantages, clip_ratio_low, clip_ratio_high)
     cap = -clip_ratio_c * advantages
     is_capped = (advantages < 0) & (token_loss > cap)
     token_loss = torch.where(is_capped, cap, token_loss)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    metrics = _metrics(is_clipped, logp, old_logp, response_mask)
+    loss, metrics = aggregated(
+        token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped
+    )
     metrics["dual_clip_frac"] = masked_mean(is_capped.float(), response_mask).detach()
     return loss, metrics
 
@@ -149,6 +161,160 @@ def gspo(
     old_logp, advantages = old_logp.detach(), advantages.detach()
     seq_log_ratio = masked_mean(logp - old_logp, response_mask, dim=-1)
     token_log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()
-    token_loss, is_clipped = _clipped_surrogate(token_log_ratio, advantages, clip_ratio_low, clip_ratio_high)
-    loss = agg_loss(token_loss, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    return loss, _metrics(is_clipped, logp, old_logp, response_mask)
+    token_loss, is_clipped = clipped_surrogate(token_log_ratio, advantages, clip_ratio_low, clip_ratio_high)
+    return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, is_clipped)
+
+
+@register_policy_loss("cispo")
+def cispo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    agg_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585, §3.1, the CISPO objective and its clipped
+    IS weight): L_t = −sg(clip(ρ_t, 1−ε_low, 1+ε_high))·A_t·log π_θ(y_t).
+
+    PPO's clip drops the gradient of a token whose ratio left the range, and those are often the rare
+    tokens that start a new line of reasoning ("However", "Wait"). CISPO bounds the importance weight
+    instead, with its gradient stopped, so every token keeps ∇log π and only its weight is capped.
+    The value follows the paper's formula (−w·A·log π, not −w·A); only its gradient means anything.
+    The paper sets no lower bound in practice (a large ε_low) and tunes ε_high. ``clip_frac`` is the
+    share of tokens whose weight was capped (they still get a gradient).
+    """
+    old_logp, advantages = old_logp.detach(), advantages.detach()
+    ratio = torch.exp((logp.detach() - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    token_loss = -weight * advantages * logp
+    return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, weight != ratio)
+
+
+@register_policy_loss("sapo")
+def sapo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    loss_agg_mode: str = "token-mean",
+    agg_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347, §3, the SAPO
+    objective and its gate f): L_t = −f(ρ_t)·A_t, f(ρ) = σ(τ(ρ − 1))·4/τ, τ = τ_pos if A_t > 0 else τ_neg.
+
+    The gradient is −A_t·w_t·∇log π with w = 4σ(1−σ)·ρ, σ = σ(τ(ρ−1)): exactly 1 on-policy (ρ = 1, the
+    plain policy gradient), fading smoothly as ρ moves away, where PPO's clip cuts it to 0 at a hard
+    edge. A larger τ fades faster; the paper fades negative advantages faster (τ_neg = 1.05 > τ_pos = 1),
+    because pushing a token down raises every other token's logit. The paper averages per sequence
+    (``loss_agg_mode=seq-mean-token-mean``). Nothing is clipped: ``clip_frac`` is 0.
+    """
+    old_logp, advantages = old_logp.detach(), advantages.detach()
+    ratio = torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    return aggregated(-gate * advantages, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
+
+
+@register_policy_loss("gmpo", "geo_mean")
+def gmpo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.4,
+    clip_ratio_high: float = 0.4,
+    agg_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673, §3, the GMPO
+    objective): the geometric mean of the token terms instead of GRPO's arithmetic mean,
+
+    L_i = −A_i · exp(1/|y_i| Σ_t m_t),  m_t = sgn(A_i)·min(sgn(A_i)·log ρ_t, sgn(A_i)·clip(log ρ_t, −ε_low, ε_high)),
+
+    i.e. |A_i|·(Π_t min(ρ_t, clip ρ_t))^{1/|y_i|} for A > 0 (max for A < 0), PPO's pessimistic bound per
+    token, clipped in log space. One outlier ratio moves a geometric mean far less than an arithmetic
+    one, so a wider range is safe: the paper's ε = 0.4 is (e^−0.4, e^0.4). A_i is the mean of the row's
+    token advantages (sequence-level, as the paper's). The objective is a mean over sequences, so
+    ``loss_agg_mode`` does not apply (num_seqs from ``agg_kwargs`` still does). ``clip_frac`` is the
+    share of tokens whose clipped bound won.
+    """
+    old_logp, advantages = old_logp.detach(), advantages.detach()
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_adv = masked_mean(advantages, response_mask, dim=-1)
+    sign = torch.sign(seq_adv)[:, None]
+    clipped = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    bound = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    per_seq = -seq_adv * torch.exp(masked_mean(bound, response_mask, dim=-1))
+    is_clipped = sign * clipped < sign * log_ratio
+    return _per_sequence(per_seq, logp, old_logp, response_mask, agg_kwargs, is_clipped)
+
+
+@register_policy_loss("gpg")
+def gpg(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    agg_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG's loss (Chu et al. 2025, arXiv 2504.02546, §3, the GPG objective): L_t = −A_t·log π_θ(y_t),
+    the policy gradient itself, with no ratio, no clip and no surrogate.
+
+    Its advantages come from ``algorithm.adv_estimator=gpg`` (group-centred and corrected for groups
+    without signal). With several optimizer steps per batch the samples grow off-policy and nothing
+    corrects for it: the paper takes one step per batch. Value: −A·log π; only the gradient means
+    anything. Nothing is clipped: ``clip_frac`` is 0.
+    """
+    old_logp, advantages = old_logp.detach(), advantages.detach()
+    return aggregated(-advantages * logp, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
+
+
+@register_policy_loss("sppo")
+def sppo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SPPO's loss (Wu et al. 2024, "Self-Play Preference Optimization", arXiv 2405.00675, Algorithm 1):
+    L_i = (log π_θ(y_i|x) − log π_t(y_i|x) − η(P̂_i − ½))², a regression, not a surrogate.
+
+    The log-ratio is the whole sequence's, Σ_t (log π_θ − log π_old) over its valid tokens; π_t is the
+    policy that sampled (``old_logp``). The target η(P̂_i − ½) is what ``algorithm.adv_estimator=sppo``
+    puts in the advantages (the mean over the row's tokens is taken). The loss is a mean over sequences,
+    so ``loss_agg_mode`` does not apply. Nothing is clipped: ``clip_frac`` is 0.
+    """
+    old_logp, advantages = old_logp.detach(), advantages.detach()
+    seq_log_ratio = masked_sum(logp - old_logp, response_mask, dim=-1)
+    target = masked_mean(advantages, response_mask, dim=-1)
+    return _per_sequence((seq_log_ratio - target).square(), logp, old_logp, response_mask, agg_kwargs)
+
+
+def _per_sequence(
+    per_seq: Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    response_mask: Tensor,
+    agg_kwargs: dict[str, Any] | None,
+    is_clipped: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Σ_i L_i / N_seqs for a loss defined per sequence: the seq-mean-token-mean of L_i spread over each
+    row's tokens, so the mini-batch's `num_seqs` divides it under gradient accumulation."""
+    spread = per_seq[:, None].expand(response_mask.shape)
+    return aggregated(spread, logp, old_logp, response_mask, "seq-mean-token-mean", agg_kwargs, is_clipped)

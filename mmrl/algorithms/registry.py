@@ -7,6 +7,7 @@ named in the config as ``path/to/file.py:function`` and imported with `load_from
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,13 +16,41 @@ from mmrl.rewards.loader import import_file
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def register(registry: dict[str, F], *names: str) -> Callable[[F], F]:
-    """Decorator adding a function under one or more names; refuses to silently replace one."""
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm asks of the run, carried by its registry entry: the config checks these, so
+    neither it nor the trainer ever tests an algorithm's name.
+
+    - ``groups``: it compares the responses to one prompt with each other, so ``rollout.n >= 2``.
+    - ``exact_on_policy``: every update must be the first and only one on freshly sampled responses
+      (one epoch, one mini-batch per step, no rollouts sent ahead), so π_θ = π_old throughout.
+    - ``rows_per_group``: a response filter keeps at most this many of each group.
+    - ``critic``: it needs a learned value of every response token (``values=``), so the run trains a
+      critic (`mmrl.training.critic`).
+    """
+
+    groups: bool = False
+    exact_on_policy: bool = False
+    rows_per_group: int | None = None
+    critic: bool = False
+
+
+def needs_of(fn: Callable[..., Any]) -> Needs:
+    """The `Needs` a registered function declared; a user's own function declares none."""
+    return getattr(fn, "needs", Needs())
+
+
+def register(registry: dict[str, F], *names: str, needs: Needs | None = None) -> Callable[[F], F]:
+    """Decorator adding a function under one or more names; refuses to silently replace one.
+
+    `needs` is attached to the function (see `needs_of`)."""
 
     def decorator(fn: F) -> F:
         taken = [name for name in names if name in registry]
         if taken:
             raise ValueError(f"{taken} already registered; pick another name")
+        if needs is not None:
+            fn.needs = needs  # type: ignore[attr-defined]
         for name in names:
             registry[name] = fn
         return fn

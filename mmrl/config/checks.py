@@ -7,12 +7,17 @@ in the order the errors are reported. They raise ValueError, which pydantic repo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mmrl.config.agent import AgentConfig, GameConfig
 from mmrl.config.data import DataConfig
 from mmrl.config.rollout import RolloutConfig
 from mmrl.config.trainer import TrainerConfig
 from mmrl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, WarmupConfig
 from mmrl.config.vla import EnvConfig
+
+if TYPE_CHECKING:
+    from mmrl.algorithms.registry import Needs
 
 
 def check_training_data(data: DataConfig, env: EnvConfig | None) -> None:
@@ -31,6 +36,8 @@ def check_agent_supported(
         "algorithm.adv_estimator remax": algorithm.adv_estimator == "remax",
         "algorithm.overlong_buffer_len (it measures one turn's length; agent.max_tokens limits the whole)": algorithm.overlong_buffer_len
         > 0,
+        "algorithm.policy_filtration (it filters single-turn prompts' responses)": algorithm.policy_filtration
+        is not None,
     }
     hit = [name for name, bad in refused.items() if bad]
     if hit:
@@ -64,6 +71,8 @@ def check_env_supported(
         "algorithm.adv_estimator gae or remax (episodes use group baselines)": algorithm.adv_estimator
         in ("gae", "remax"),
         "algorithm.use_kl_in_reward (use actor.use_kl_loss)": algorithm.use_kl_in_reward,
+        "algorithm.policy_filtration (it filters single-turn prompts' responses)": algorithm.policy_filtration
+        is not None,
         "actor.rollout_correction (episodes keep no sampling log-probs)": actor.rollout_correction
         is not None,
     }
@@ -116,6 +125,8 @@ def check_registered_names(algorithm: AlgorithmConfig, actor: ActorConfig) -> No
     """Estimators, losses and corrections are named by string, so a typo is caught here, not at step 1."""
     _check_registered("algorithm.adv_estimator", algorithm.adv_estimator, "ADVANTAGE_ESTIMATORS")
     _check_registered("actor.policy_loss", actor.policy_loss, "POLICY_LOSSES")
+    if algorithm.policy_filtration is not None:
+        _check_registered("algorithm.policy_filtration", algorithm.policy_filtration, "POLICY_FILTERS")
     if actor.rollout_correction is not None:
         _check_registered("actor.rollout_correction", actor.rollout_correction, "ROLLOUT_CORRECTIONS")
 
@@ -148,7 +159,10 @@ def check_dapo(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
 
 def check_critic_warmup(algorithm: AlgorithmConfig, critic: CriticConfig, trainer: TrainerConfig) -> None:
     """The critic's warm-up steps come out of the run's, and some must be left for the actor."""
-    if algorithm.adv_estimator == "gae" and critic.pretrain_steps >= trainer.total_steps:
+    if (
+        _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).critic
+        and critic.pretrain_steps >= trainer.total_steps
+    ):
         raise ValueError(
             f"critic.pretrain_steps ({critic.pretrain_steps}) must be below trainer.total_steps "
             f"({trainer.total_steps}), or the actor never trains"
@@ -187,10 +201,80 @@ def check_staleness(rollout: RolloutConfig, env: EnvConfig | None, actor: ActorC
         )
 
 
+def _needs(registry: str, name: str) -> Needs:
+    """What the registered `name` declares it needs; a user's `path/to/file.py:function` declares nothing
+    (and is not imported while the config is read)."""
+    from mmrl import algorithms
+
+    return algorithms.Needs() if ":" in name else algorithms.needs_of(getattr(algorithms, registry)[name])
+
+
 def check_group_size(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
-    """Group baselines compare a prompt's responses with each other, so a group needs two."""
-    if rollout.n == 1 and algorithm.adv_estimator in ("grpo", "drgrpo", "rloo"):
+    """Group baselines compare a prompt's responses with each other, so a group needs two, also after a
+    policy filter has kept only some of them."""
+    if not _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).groups:
+        return
+    if rollout.n == 1:
         raise ValueError(
             f"algorithm.adv_estimator={algorithm.adv_estimator} compares responses within a "
             "group, so it needs rollout.n >= 2"
+        )
+    name = algorithm.policy_filtration
+    kept = _needs("POLICY_FILTERS", name).rows_per_group if name else None
+    if kept is not None and kept < 2:
+        raise ValueError(
+            f"algorithm.policy_filtration={name} keeps {kept} response per prompt, and "
+            f"algorithm.adv_estimator={algorithm.adv_estimator} compares responses within a group: every "
+            "advantage would be 0. Use best_worst or best_random, or an estimator without groups "
+            "(gae, reinforce_plus_plus, remax)"
+        )
+
+
+def check_policy_filtration(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
+    """A filter chooses among a prompt's responses, so there must be more than one."""
+    if algorithm.policy_filtration is not None and rollout.n == 1:
+        raise ValueError(
+            f"algorithm.policy_filtration={algorithm.policy_filtration} chooses among each prompt's "
+            "rollout.n responses, and rollout.n=1 leaves nothing to choose: set rollout.n >= 2 or "
+            "algorithm.policy_filtration=null"
+        )
+
+
+def check_exact_on_policy(
+    algorithm: AlgorithmConfig, actor: ActorConfig, data: DataConfig, rollout: RolloutConfig
+) -> None:
+    """An estimator that needs exact on-policy updates (OPO) gets one optimizer step per freshly
+    sampled batch: then π_θ = π_old at the step, and the loss is the plain policy gradient."""
+    if not _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).exact_on_policy:
+        return
+    wrong = {
+        f"actor.ppo_epochs=1 (not {actor.ppo_epochs})": actor.ppo_epochs != 1,
+        f"actor.mini_batch_size={data.train_batch_size}, data.train_batch_size (not {actor.mini_batch_size})": (
+            actor.mini_batch_size != data.train_batch_size
+        ),
+        f"rollout.max_staleness=0 (not {rollout.max_staleness})": rollout.max_staleness != 0,
+    }
+    fixes = [fix for fix, bad in wrong.items() if bad]
+    if fixes:
+        raise ValueError(
+            f"algorithm.adv_estimator={algorithm.adv_estimator} trains exactly on-policy: one optimizer step "
+            f"on each freshly sampled batch. Set {'; '.join(fixes)}"
+        )
+
+
+def check_critic_options(algorithm: AlgorithmConfig) -> None:
+    """VAPO's λ options shape the advantages of an estimator with a critic; elsewhere they would do
+    nothing, so they are refused rather than ignored."""
+    if _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).critic:
+        return
+    set_keys = {
+        "algorithm.critic_lam": algorithm.critic_lam,
+        "algorithm.length_adaptive_alpha": algorithm.length_adaptive_alpha,
+    }
+    named = [key for key, value in set_keys.items() if value is not None]
+    if named:
+        raise ValueError(
+            f"{' and '.join(named)} set GAE's λ for a learned critic, and "
+            f"algorithm.adv_estimator={algorithm.adv_estimator} has none: use algorithm.adv_estimator=gae "
+            f"or leave {' and '.join(named)} unset"
         )

@@ -52,6 +52,9 @@ class Config(Section):
         checks.check_tensor_parallel(self.rollout, self.trainer)
         checks.check_staleness(self.rollout, self.env, self.actor)
         checks.check_group_size(self.algorithm, self.rollout)
+        checks.check_critic_options(self.algorithm)
+        checks.check_policy_filtration(self.algorithm, self.rollout)
+        checks.check_exact_on_policy(self.algorithm, self.actor, self.data, self.rollout)
         return self
 
     @property

@@ -3,9 +3,9 @@ the format warm-up before RL."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mmrl.config.base import Section
 
@@ -27,7 +27,25 @@ class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
     gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD")
+    lam: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="GAE λ: 1 is the Monte-Carlo return, 0 one-step TD. The policy's and, unless "
+        "algorithm.critic_lam is set, the critic's",
+    )
+    critic_lam: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="VAPO's decoupled GAE: λ of the critic's returns (VAPO: 1.0); default algorithm.lam",
+    )
+    length_adaptive_alpha: float | None = Field(
+        None,
+        gt=0,
+        description="VAPO's length-adaptive GAE: the policy's λ = 1 − 1/(α·l) per response of l tokens, "
+        "in place of algorithm.lam (VAPO: α = 0.05); null: off",
+    )
     step_weight: float = Field(
         1.0, ge=0, description="GiGPO's ω: the weight of the step-level advantage beside the episode's"
     )
@@ -48,6 +66,25 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = Field(False, description="Charge −β·KL(π_old ‖ π_ref) as a token reward")
     kl_penalty: KLEstimatorName = "k1"
     kl_ctrl: KLControlConfig = KLControlConfig()
+    policy_filtration: str | None = Field(
+        None,
+        description="PF-PPO: train only on some of each prompt's responses, chosen by reward before the "
+        "advantages: best_worst, best_random or best_of_n (mmrl.algorithms.POLICY_FILTERS)",
+    )
+    sppo_eta: float = Field(
+        1.0, gt=0, description="SPPO's η: adv_estimator=sppo's target for the log-ratio is η(P̂ − ½)"
+    )
+
+    def estimator_options(self) -> dict[str, Any]:
+        """The keyword arguments every advantage estimator is called with; each takes what it uses."""
+        return {
+            "norm_adv_by_std": self.norm_adv_by_std,
+            "gamma": self.gamma,
+            "lam": self.lam,
+            "critic_lam": self.critic_lam,
+            "length_adaptive_alpha": self.length_adaptive_alpha,
+            "eta": self.sppo_eta,
+        }
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -92,9 +129,32 @@ class ActorConfig(OptimSection):
         "The engine's log-probs are then always recorded",
     )
     rollout_correction_cap: float = Field(2.0, gt=1.0, description="C of actor.rollout_correction")
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.28, ge=0)
+    clip_ratio_low: float = Field(
+        0.2, ge=0, description="ε_low of ppo_clip, dual_clip, gspo, clip_cov and cispo; in log space for gmpo"
+    )
+    clip_ratio_high: float = Field(
+        0.28, ge=0, description="ε_high, as clip_ratio_low (gmpo's paper: 0.4 both)"
+    )
     clip_ratio_c: float = Field(3.0, gt=1.0)
+    tau_pos: float = Field(1.0, gt=0, description="sapo: the gate's temperature for positive advantages")
+    tau_neg: float = Field(
+        1.05, gt=0, description="sapo: the temperature for the others (the paper fades them faster: 1.05)"
+    )
+    kl_cov_ratio: float = Field(
+        2e-4, gt=0, le=1, description="kl_cov: the share of valid tokens, by covariance, given the KL penalty"
+    )
+    kl_cov_coef: float = Field(1.0, ge=0, description="kl_cov: β of the KL penalty on those tokens")
+    clip_cov_ratio: float = Field(
+        2e-4, gt=0, le=1, description="clip_cov: the share of valid tokens whose gradient is cut"
+    )
+    clip_cov_lb: float = Field(1.0, description="clip_cov: tokens are drawn from covariances above this")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: and below this")
+    positive_lm_coef: float = Field(
+        0.0,
+        ge=0,
+        description="VAPO's μ: weight of the language-model loss (NLL) on responses with a positive "
+        "score, added to the policy loss (VAPO: 0.1); 0: off",
+    )
     loss_agg_mode: LossAggMode = "token-mean"
     use_kl_loss: bool = True
     kl_loss_coef: float = Field(0.01, ge=0)
@@ -111,10 +171,41 @@ class ActorConfig(OptimSection):
         description="With Ray workers (FSDP2): keep parameters, gradients and AdamW state in CPU memory",
     )
 
+    @model_validator(mode="after")
+    def _covariance_band(self) -> ActorConfig:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"actor.clip_cov_lb ({self.clip_cov_lb}) must be below actor.clip_cov_ub ({self.clip_cov_ub}): "
+                "clip_cov draws tokens from the covariances between them (the paper's band: 1 to 5)"
+            )
+        return self
+
+    def policy_loss_options(self) -> dict[str, Any]:
+        """The settings every policy loss is called with; each takes what it uses."""
+        return self.model_dump(
+            include={
+                "clip_ratio_low",
+                "clip_ratio_high",
+                "clip_ratio_c",
+                "tau_pos",
+                "tau_neg",
+                "kl_cov_ratio",
+                "kl_cov_coef",
+                "clip_cov_ratio",
+                "clip_cov_lb",
+                "clip_cov_ub",
+            }
+        )
+
 
 class CriticConfig(OptimSection):
     """The learned value function of `algorithm.adv_estimator=gae` (PPO): the policy's architecture
-    with a scalar value head, trained on the same mini-batches as the actor."""
+    with a scalar value head, trained on the same mini-batches as the actor.
+
+    VAPO's value pretraining is ``pretrain_steps`` with ``algorithm.critic_lam=1``: for those steps the
+    actor waits, so the responses come from the fixed starting policy, and the critic regresses on their
+    Monte-Carlo returns. The paper trains until the value loss and explained variance settle; here the
+    number of steps is fixed (watch ``critic/vf_loss``)."""
 
     model_path: str | None = Field(
         None, description="Where its trunk starts; default: the policy's start (after any format warm-up)"
@@ -124,7 +215,10 @@ class CriticConfig(OptimSection):
     cliprange_value: float = Field(0.5, gt=0, description="PPO value clipping: V moves at most this far")
     loss_agg_mode: LossAggMode = "token-mean"
     pretrain_steps: int = Field(
-        0, ge=0, description="Critic warm-up: the first N steps train only the critic, the actor waits"
+        0,
+        ge=0,
+        description="Critic warm-up (VAPO's value pretraining): the first N steps train only the critic "
+        "on responses of the fixed starting policy, the actor waits",
     )
 
 

@@ -130,7 +130,7 @@ class EpisodeSource(RolloutSource):
         self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.cfg.algorithm
-        options = {"norm_adv_by_std": a.norm_adv_by_std, "gamma": a.gamma, "lam": a.lam}
+        options = a.estimator_options()
         if a.adv_estimator == "gigpo":
             return step_advantages(self.estimator, batch, step_weight=a.step_weight, **options)
         return episode_advantages(self.estimator, batch, **options)

@@ -20,6 +20,7 @@ from mmrl.algorithms import (
     FixedKLController,
     KLController,
     get_advantage_estimator,
+    get_policy_filter,
     informative_groups,
     kl_reward_penalty,
     overlong_penalty,
@@ -77,6 +78,8 @@ class PromptSource(RolloutSource):
         self.failing_rewards = FailingRewards(cfg.reward.max_all_failed_steps)
         self.accuracy_key = reward_label(cfg.reward.functions[0].name)
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        filtration = cfg.algorithm.policy_filtration
+        self.policy_filter = get_policy_filter(filtration) if filtration else None
         self.kl_ctrl = make_kl_controller(cfg)
         self.validates = bool(self.val_samples)
         # Generations sent ahead (`rollout.max_staleness`), each with the loader's state after its prompts
@@ -110,7 +113,7 @@ class PromptSource(RolloutSource):
             batch, round_metrics = self._scored_rollouts(ctx)
             metrics = metrics or round_metrics
             if not algo.dynamic_sampling:
-                return batch, metrics
+                return self._filtered(batch, metrics, ctx.step), metrics
             if "group_index" in batch:  # each round numbers its groups from 0: after the last round's
                 batch.set(group_index=batch["group_index"] + shift)
                 shift = int(batch["group_index"].max()) + 1
@@ -134,7 +137,20 @@ class PromptSource(RolloutSource):
         metrics["dynamic_sampling/gen_rounds"] = len(kept)
         metrics["dynamic_sampling/kept_groups"] = len(chosen)
         metrics["dynamic_sampling/kept_rows"] = row_ids(merged)
-        return merged, metrics
+        return self._filtered(merged, metrics, ctx.step), metrics
+
+    def _filtered(self, batch: Batch, metrics: dict[str, Any], step: int) -> Batch:
+        """PF-PPO's policy filtration (`algorithm.policy_filtration`): only the responses its filter keeps
+        of each group, chosen by score; random choices are drawn from the run's seed and the step, so a
+        resumed run draws the same."""
+        if self.policy_filter is None:
+            return batch
+        draws = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + step)
+        keep = self.policy_filter(batch["scores"], groups_of(batch), draws)
+        metrics["policy_filtration/kept_rows"] = int(keep.sum())
+        if keep.any():  # the mean score of what trains, beside reward/mean of everything sampled
+            metrics["policy_filtration/kept_reward_mean"] = float(batch["scores"][keep].mean())
+        return batch.select(keep.nonzero().squeeze(1))
 
     def _scored_rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
         """The next generated batch, scored, overlong shaping included."""
@@ -221,15 +237,7 @@ class PromptSource(RolloutSource):
                 )
             baseline, _ = self.score(greedy, "remax", ctx.step)
             extra["baseline_scores"] = baseline[batch["prompt_index"]]
-        return self.estimator(
-            token_rewards,
-            mask,
-            groups_of(batch),
-            norm_adv_by_std=algo.norm_adv_by_std,
-            gamma=algo.gamma,
-            lam=algo.lam,
-            **extra,
-        )
+        return self.estimator(token_rewards, mask, groups_of(batch), **algo.estimator_options(), **extra)
 
     # ---------------------------------------------------------------- validation
     def validate(self, ctx: StepContext) -> dict[str, Any]:

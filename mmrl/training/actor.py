@@ -10,10 +10,13 @@ import torch
 
 from mmrl.algorithms import (
     agg_loss,
+    get_policy_filter,
     get_policy_loss,
     get_rollout_correction,
     kl_penalty,
     masked_mean,
+    needs_of,
+    positive_example_nll,
 )
 from mmrl.config import ActorConfig, Config
 from mmrl.data.batch import Batch
@@ -115,11 +118,9 @@ class Actor:
             old,
             advantages,
             mask,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
             agg_kwargs=totals,
+            **cfg.policy_loss_options(),
         )
         loss = pg_loss
         entropy_value = agg_loss(entropy, mask, cfg.loss_agg_mode, **totals)
@@ -138,6 +139,10 @@ class Actor:
             )
             loss = loss + cfg.kl_loss_coef * kl
             stats["actor/kl_loss"] = float(kl.detach())
+        if cfg.positive_lm_coef:  # VAPO: imitate the responses that scored above 0
+            nll = positive_example_nll(logp, mask, micro["scores"].to(device), **totals)
+            loss = loss + cfg.positive_lm_coef * nll
+            stats["actor/positive_lm_loss"] = float(nll.detach())
         if router_losses:  # a micro-batch's share of the mini-batch's load-balancing loss
             router = router_losses[0] * len(micro) / totals["num_seqs"]
             loss = loss + cfg.router_aux_loss_coef * router
@@ -210,4 +215,11 @@ def needs_reference(cfg: Config) -> bool:
 def update_plan(cfg: Config) -> UpdatePlan:
     """`actor.ppo_epochs` shuffles cut into mini-batches of `actor.mini_batch_size` prompts' responses."""
     a = cfg.actor
-    return UpdatePlan(a.mini_batch_size * cfg.rollout.n, a.ppo_epochs, cfg.rollout.max_new_tokens)
+    return UpdatePlan(a.mini_batch_size * responses_per_prompt(cfg), a.ppo_epochs, cfg.rollout.max_new_tokens)
+
+
+def responses_per_prompt(cfg: Config) -> int:
+    """`rollout.n`, or fewer where `algorithm.policy_filtration` keeps only some of each group."""
+    name = cfg.algorithm.policy_filtration
+    kept = needs_of(get_policy_filter(name)).rows_per_group if name else None
+    return min(cfg.rollout.n, kept) if kept else cfg.rollout.n

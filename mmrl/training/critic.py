@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrl.algorithms import clipped_value_loss
+from mmrl.algorithms import clipped_value_loss, get_advantage_estimator, needs_of
 from mmrl.config import Config, CriticConfig
 from mmrl.data.batch import Batch
 from mmrl.models import autocast_for, family_of, load_policy
@@ -31,8 +31,8 @@ from mmrl.training.optim import (
 
 
 def needs_critic(cfg: Config) -> bool:
-    """Whether the advantage estimator learns a value function (GAE)."""
-    return cfg.algorithm.adv_estimator == "gae"
+    """Whether the advantage estimator learns a value function (its registry entry says so: GAE)."""
+    return needs_of(get_advantage_estimator(cfg.algorithm.adv_estimator)).critic
 
 
 def critic_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:

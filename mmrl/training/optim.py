@@ -116,16 +116,15 @@ def plan_minibatches(batch: Batch, rows_per_step: int, epochs: int, horizon: int
         order = torch.randperm(len(batch))
         for start in range(0, len(batch), rows_per_step):
             rows = order[start : start + rows_per_step]
-            plan.append(
-                MiniBatch(
-                    rows,
-                    {  # at least 1 token: mask_truncated may leave a mini-batch with none
-                        "num_tokens": max(1.0, float(batch["response_mask"][rows].sum())),
-                        "num_seqs": float(len(rows)),
-                        "horizon": horizon,
-                    },
-                )
-            )
+            mask = batch["response_mask"][rows]
+            totals = {  # at least 1 token: mask_truncated may leave a mini-batch with none
+                "num_tokens": max(1.0, float(mask.sum())),
+                "num_seqs": float(len(rows)),
+                "horizon": horizon,
+            }
+            if "scores" in batch:  # the tokens of positively rewarded responses (`positive_example_nll`)
+                totals["num_positive_tokens"] = max(1.0, float(mask[batch["scores"][rows] > 0].sum()))
+            plan.append(MiniBatch(rows, totals))
     return plan
 
 
