@@ -66,6 +66,29 @@ def test_data_synth_writes_a_dataset_the_loader_accepts(tmp_path, capsys, tiny_m
     assert {s.ground_truth for s in samples} <= {"red", "green", "blue", "yellow", "purple", "orange"}
 
 
+def test_writers_refuse_a_folder_that_holds_files_unless_forced(tmp_path, capsys, tiny_model_dir) -> None:
+    """A mistyped path must not replace a model's weights or a labelled data set: `model init-tiny`,
+    `data synth` and `sft` refuse a folder that is not empty in one line naming it and --force."""
+    model, data, policy = tmp_path / "model", tmp_path / "data", tmp_path / "policy"
+    for folder, name in ((model, "config.json"), (data, "train.jsonl"), (policy, "model.safetensors")):
+        folder.mkdir()
+        (folder / name).write_text("mine")
+    vla = str(Path(CONFIG).with_name("vla_mujoco_reach.yaml"))
+    commands = {
+        model: ["model", "init-tiny", str(model)],
+        data: ["data", "synth", str(data), "--n-train", "2", "--n-val", "1"],
+        policy: ["sft", vla, f"model.path={policy}", f"sft.base_model={tiny_model_dir}"],
+    }
+    for folder, args in commands.items():
+        assert main(args) == 2, args
+        captured = capsys.readouterr()
+        assert _one_line(captured.err).startswith(f"error: {folder} is not empty"), captured.err
+        assert "--force" in captured.err and "Traceback" not in captured.err
+        assert [p.read_text() for p in folder.iterdir()] == ["mine"]
+    assert main([*commands[data], "--force"]) == 0
+    assert len(read_rows([str(data / "train.jsonl")])) == 2
+
+
 def test_data_synth_unknown_task_is_a_usage_error(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["data", "synth", str(tmp_path / "d"), "--task", "nope", "--n-train", "2", "--n-val", "1"])
