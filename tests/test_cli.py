@@ -231,6 +231,23 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys) -> None:
     assert "Traceback" not in captured.err
 
 
+def test_a_key_written_twice_names_the_key_and_both_lines(tmp_path, capsys) -> None:
+    """YAML itself keeps the last of two equal keys without a word (a second `actor:` replacing the first)."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("actor:\n  lr: 1.0e-5\nmodel: {path: m}\nactor:\n  lr: 1.0e-3\n")
+    assert main(["config", "show", str(twice)]) == 2
+    captured = capsys.readouterr()
+    err = _one_line(captured.err)
+    assert f"{twice}, line 4, column 1" in err and "key 'actor' appears twice" in err and "line 1" in err
+    assert "Traceback" not in captured.err
+    merged = tmp_path / "merged.yaml"  # a merge key's values may be overridden: that is what it is for
+    merged.write_text(
+        "model: {path: m}\ndata: {train_files: [t.jsonl]}\nactor: &actor {lr: 1.0e-5}\ncritic:\n  <<: *actor\n  lr: 2.0e-5\n"
+    )
+    assert main(["config", "show", str(merged)]) == 0
+    assert "lr: 2.0e-05" in capsys.readouterr().out
+
+
 def test_a_folder_given_as_the_config_returns_2(tmp_path, capsys) -> None:
     assert main(["train", str(tmp_path)]) == 2
     captured = capsys.readouterr()
