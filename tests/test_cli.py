@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,22 @@ def test_train_with_a_missing_data_file_returns_2(tmp_path, capsys, tiny_model_d
     err = _one_line(capsys.readouterr().err)
     assert "data.train_files" in err and "absent.jsonl" in err
     assert not run.exists()
+
+
+def test_a_model_folder_without_a_tokenizer_returns_2_naming_the_missing_files(
+    tmp_path, capsys, tiny_model_dir
+) -> None:
+    """transformers loads an empty tokenizer from such a folder, which failed only at step 1 in the engine."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*"))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "x", "answer": "y"}\n')
+    overrides = [f"model.path={model}", f"data.train_files={data}", "data.val_files=[]"]
+    assert main(["train", CONFIG, *overrides, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    captured = capsys.readouterr()
+    err = _one_line(captured.err)
+    assert f"error: {model} holds no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json)" in err
+    assert "Traceback" not in captured.err
 
 
 def test_unknown_subcommand_is_an_argparse_error(capsys) -> None:
