@@ -16,6 +16,7 @@ import pickle
 import random
 import re
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,8 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     _check_plain(state, "trainer state")
+    tmp.mkdir()
     try:
         write_model(tmp)
         with (tmp / "trainer_state.pt").open("wb") as fh:  # a file object keeps a disk error's errno
@@ -129,16 +130,17 @@ def save_checkpoint(
     return final
 
 
-_PLAIN = (torch.Tensor, str, int, float, bool, type(None))
+_PLAIN = (torch.Tensor, torch.dtype, torch.device, str, bytes, int, float, bool, type(None))
 
 
 def _check_plain(value: Any, where: str) -> None:
     """Refuse, at save time and naming its key, a value `load_state_file` could not read back: only
-    tensors and plain data (dicts, lists, tuples of str, numbers, None) load with `weights_only=True`."""
-    if isinstance(value, dict):
+    tensors and plain data (dicts, lists and tuples of str, bytes, numbers, None) load with `weights_only=True`."""
+    if type(value) in (dict, OrderedDict):  # not subclasses (a Counter): they would not load
         for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
             _check_plain(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
+    elif type(value) in (list, tuple, torch.Size):
         for i, item in enumerate(value):
             _check_plain(item, f"{where}[{i}]")
     elif not isinstance(value, _PLAIN):
