@@ -38,7 +38,7 @@ def run_variant(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    _call([*MMRL, "sft", str(config), *common], env, folder / "sft.log")
+    _call([*MMRL, "sft", str(config), *common, "--force"], env, folder / "sft.log")
     cloned = time.perf_counter()
     success = {}
     for mode, extra in (

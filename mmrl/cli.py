@@ -90,6 +90,7 @@ def _sft(args: argparse.Namespace) -> int:
             f"sft.base_model: no model at {cfg.sft.base_model}; build a tiny one with "
             f"`mmrl model init-tiny {cfg.sft.base_model}`"
         )
+    _output_folder(cfg.model.path, args.force, "the cloned policy (model.path)")
     run_sft(cfg)
     return 0
 
@@ -134,10 +135,29 @@ def _config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_folder(path: str | Path, force: bool, what: str) -> Path:
+    """The folder a command writes `what` into: new or empty, or any folder with --force.
+
+    A mistyped path must not replace a model's weights or a labelled data set without a word, so a
+    folder that holds anything is refused, naming it and the flag; --force writes into it, replacing
+    files of the same names."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; give a new or empty folder to write {what} into")
+    if not force and out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} is not empty; give a new or empty folder for {what}, or pass --force to write into it "
+            "(files of the same names are replaced)"
+        )
+    return out
+
+
 def _init_tiny(args: argparse.Namespace) -> int:
     from mmrl.models import build_tiny
 
-    out = build_tiny(args.out_dir, family=args.family, seed=args.seed)
+    out = build_tiny(
+        _output_folder(args.out_dir, args.force, "the model"), family=args.family, seed=args.seed
+    )
     print(f"tiny {args.family} model written to {out}")
     return 0
 
@@ -150,6 +170,7 @@ def _synth(args: argparse.Namespace) -> int:
     defaults = {"geometry": DEFAULT_IMAGE_SIZE, **dict.fromkeys(VIDEO_TASKS, 112)}
     size = args.image_size if args.image_size is not None else defaults.get(args.task, 56)
     options = {"n_train": args.n_train, "n_val": args.n_val, "seed": args.seed, "image_size": size}
+    _output_folder(args.out_dir, args.force, "the data set")
     try:
         if args.task == "geometry":
             meta = generate_geometry(args.out_dir, **options)
@@ -217,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="env configs: behaviour-clone scripted demos into model.path")
     sft.add_argument("config")
     sft.add_argument("overrides", nargs="*", default=[], help="e.g. sft.demos=400")
+    sft.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder that is not empty (files of the same names are replaced)",
+    )
     sft.set_defaults(func=_sft)
 
     export = sub.add_parser("export", help="write a checkpoint as a plain HF model folder (LoRA merged)")
@@ -252,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir")
     tiny.add_argument("--family", default="qwen2_5_vl", help="model family (README: supported models)")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder that is not empty (files of the same names are replaced)",
+    )
     tiny.set_defaults(func=_init_tiny)
 
     data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="action", required=True)
@@ -272,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="pixels, a multiple of 28 (default: 56; geometry 224; recolor and motion 112)",
+    )
+    synth.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder that is not empty (files of the same names are replaced)",
     )
     synth.set_defaults(func=_synth)
     return parser

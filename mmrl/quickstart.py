@@ -49,12 +49,24 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
         else:
             generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
     if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh
-        shutil.rmtree(cfg.run_dir)
+        _remove_earlier_run(cfg.run_dir)
     start = time.perf_counter()
     Trainer(cfg, console=console).fit()
     wall = time.perf_counter() - start
     summarise(console, cfg.run_dir, wall)
     return 0
+
+
+def _remove_earlier_run(run_dir: Path) -> None:
+    """Delete the quickstart's earlier run, and nothing else: a folder that holds files but no run
+    (no metrics.jsonl or checkpoints, as `trainer.output_dir` set to the wrong folder would give) is refused."""
+    entries = list(run_dir.iterdir()) if run_dir.is_dir() else [run_dir]
+    if entries and not any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints")):
+        raise FileExistsError(
+            f"{run_dir} holds files but no earlier run, and the quickstart starts its run afresh there; "
+            "give a new or empty folder as --out (or trainer.output_dir)"
+        )
+    shutil.rmtree(run_dir)
 
 
 def paths(root: Path, model_dir: Path, data_dir: Path) -> list[str]:

@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from mmrl.processors.files import read_media
+
 # (height, width, factor, min_pixels, max_pixels) -> (height, width): transformers' `smart_resize`.
 SizeRule = Callable[[int, int, int, int, int], tuple[int, int]]
 
@@ -64,7 +66,7 @@ def _open(source: Any, base_dir: str | Path | None) -> Image.Image:
             path = Path(source)
             if base_dir is not None and not path.is_absolute():
                 path = Path(base_dir) / path
-            image = Image.open(path)
+            image = Image.open(io.BytesIO(read_media(path)))  # a FIFO or a hung mount must not block
         else:
             raise ImageError(f"unsupported image value of type {type(source).__name__}")
         image.load()

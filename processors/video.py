@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
 
+from mmrl.processors.files import media_size
 from mmrl.processors.image import ImageError, entry_int, entry_keys, load_image
 
 log = logging.getLogger("mmrl.processors.video")
@@ -275,9 +276,13 @@ def _file_source(source: Any, base_dir: str | Path | None) -> str | bytes:
     path = Path(source)
     if base_dir is not None and not path.is_absolute():
         path = Path(base_dir) / path
-    if not path.is_file():
-        raise VideoError(f"video {path} does not exist; check the path or data.base_dir")
-    if path.stat().st_size == 0:
+    try:
+        size = media_size(path)  # a FIFO or a hung mount must not block
+    except FileNotFoundError:
+        raise VideoError(f"video {path} does not exist; check the path or data.base_dir") from None
+    except OSError as err:
+        raise VideoError(f"cannot read video {path}: {err}") from None
+    if size == 0:
         raise VideoError(f"video {path} is empty (0 bytes); re-download or drop the row")
     return str(path)
 

@@ -129,8 +129,15 @@ def _batch_items(value: object, num_samples: int) -> list[object]:
     return items
 
 
+# A score past this magnitude is refused as a NaN is. No reward means a trillion, and GRPO's float32 group
+# statistics (sums of squared deviations) overflow to inf from about 1e19, which turns every advantage of
+# the group into 0 without a word; a bound far below that keeps every estimator's arithmetic finite.
+MAX_SCORE = 1e12
+
+
 def to_scores(value: object) -> dict[str, float]:
-    """A reward function's return value as {"overall": ..., **metrics}, all finite floats."""
+    """A reward function's return value as {"overall": ..., **metrics}, all finite floats, the overall
+    score within ±`MAX_SCORE`."""
     if inspect.isawaitable(value):
         if inspect.iscoroutine(value):
             value.close()  # never awaited: close it so Python does not warn about it later
@@ -140,8 +147,16 @@ def to_scores(value: object) -> dict[str, float]:
     if isinstance(value, Mapping):
         if "overall" not in value:
             raise InvalidRewardError(f"returned a dict without 'overall' (keys: {sorted(map(str, value))})")
-        return {_key(key): _finite(score, f"value of {key!r}") for key, score in value.items()}
-    return {"overall": _finite(value, "return value")}
+        scores = {_key(key): _finite(score, f"value of {key!r}") for key, score in value.items()}
+        what = "value of 'overall'"
+    else:
+        scores, what = {"overall": _finite(value, "return value")}, "return value"
+    if abs(scores["overall"]) > MAX_SCORE:
+        raise InvalidRewardError(
+            f"{what} is {scores['overall']:.3g}, beyond ±{MAX_SCORE:.0e}; scale the reward down (GRPO's "
+            "group statistics overflow at such magnitudes)"
+        )
+    return scores
 
 
 def _key(key: object) -> str:

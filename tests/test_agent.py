@@ -31,6 +31,7 @@ from mmrl.agent import (
     parse_tool_calls,
 )
 from mmrl.agent.scripts import SCRIPT, Script, ScriptedEngine
+from mmrl.errors import ConfigError
 
 
 # ---------------------------------------------------------------- parsing
@@ -227,6 +228,26 @@ def test_a_broken_tool_file_fails_at_start_in_one_line(tmp_path: Path) -> None:
         ToolBox([ToolSpec.from_config({"function": f"{file}:f", "parameters": {"type": "object"}})])
     with pytest.raises(ValueError, match="built-ins are image_zoom, calculator"):
         ToolSpec.from_config({"function": "zoom"})
+
+
+def test_a_tool_option_of_an_unknown_value_and_two_tools_of_one_name_are_refused_at_start(
+    tmp_path: Path,
+) -> None:
+    """`frame: norm100` once cropped as norm1000 without a word, and a second `lookup` replaced the first."""
+    with pytest.raises(
+        ConfigError, match=r"frame: 'norm100' is not one of model_input, norm1000\. Did you mean norm1000\?"
+    ):
+        ToolSpec.from_config({"function": "image_zoom", "kwargs": {"frame": "norm100"}})
+    with pytest.raises(
+        ConfigError, match=r"unknown kwargs key 'frames'; its keys: frame\. Did you mean frame\?"
+    ):
+        ToolSpec.from_config({"function": "image_zoom", "kwargs": {"frames": "norm1000"}})
+    assert ToolSpec.from_config({"function": "image_zoom", "kwargs": {"frame": "norm1000"}}).kwargs
+    schema = {"type": "object"}
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    specs = [ToolSpec.from_config({"function": f"{f}:lookup", "parameters": schema}) for f in (a, b)]
+    with pytest.raises(ConfigError, match=rf"two tools are named 'lookup' \({a}:lookup and {b}:lookup\)"):
+        ToolBox(specs)
 
 
 # ---------------------------------------------------------------- trajectories

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.models import load_policy, load_processor
 from mmrl.run import checkpoint as ckpt
 
@@ -217,7 +218,53 @@ def test_rng_state_round_trips(tmp_path) -> None:
     torch.save(ckpt.rng_state(), tmp_path / "rng.pt")  # as trainer_state.pt stores it
     expected = _draws()
     _draws()  # move every generator on
-    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=False))
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert _draws() == expected
+
+
+class _RunsCode:
+    """What a hostile trainer_state.pt could hold: unpickling it writes a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def test_trainer_state_loads_without_unpickling_code_and_an_older_one_is_refused_until_converted(
+    tmp_path, model, processor
+) -> None:
+    """Resuming loads trainer_state.pt with weights_only=True: every RNG state (numpy's included, with a
+    cached gaussian) round-trips as tensors and plain data; a file with other objects is refused in one
+    line, without running them, naming the command that converts a trusted older checkpoint."""
+    np.random.seed(7)
+    np.random.standard_normal()  # leaves the second gaussian of a pair cached in numpy's state
+    folder = _save(tmp_path, 1, model, processor, rng=ckpt.rng_state())
+    expected = (np.random.standard_normal(), _draws())
+    _draws()
+    ckpt.set_rng_state(ckpt.load_trainer_state(folder)["rng"])
+    assert (np.random.standard_normal(), _draws()) == expected
+
+    with pytest.raises(TypeError, match=r"trainer state\['rng'\]\['numpy'\]\[1\] is a numpy.ndarray"):
+        _save(tmp_path, 2, model, processor, rng={"numpy": np.random.get_state()})  # refused when saved
+
+    marker = tmp_path / "ran"
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, folder / "trainer_state.pt")
+    with pytest.raises(ConfigError, match=r"trainer_state.pt holds .*can run code"):
+        ckpt.load_trainer_state(folder)
+    assert not marker.exists()
+
+    older = _save(tmp_path, 3, model, processor)
+    torch.save(
+        {"step": 3, "rng": {**ckpt.rng_state(), "numpy": np.random.get_state()}}, older / "trainer_state.pt"
+    )
+    with pytest.raises(ConfigError, match=r"python -m mmrl.run.checkpoint .*step_00000003"):
+        ckpt.load_trainer_state(older)
+    expected = _draws()
+    ckpt.convert_trusted(older)
+    assert ckpt.is_complete(older)
+    ckpt.set_rng_state(ckpt.load_trainer_state(older)["rng"])
     assert _draws() == expected
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,29 @@ def test_data_synth_writes_a_dataset_the_loader_accepts(tmp_path, capsys, tiny_m
     assert {s.ground_truth for s in samples} <= {"red", "green", "blue", "yellow", "purple", "orange"}
 
 
+def test_writers_refuse_a_folder_that_holds_files_unless_forced(tmp_path, capsys, tiny_model_dir) -> None:
+    """A mistyped path must not replace a model's weights or a labelled data set: `model init-tiny`,
+    `data synth` and `sft` refuse a folder that is not empty in one line naming it and --force."""
+    model, data, policy = tmp_path / "model", tmp_path / "data", tmp_path / "policy"
+    for folder, name in ((model, "config.json"), (data, "train.jsonl"), (policy, "model.safetensors")):
+        folder.mkdir()
+        (folder / name).write_text("mine")
+    vla = str(Path(CONFIG).with_name("vla_mujoco_reach.yaml"))
+    commands = {
+        model: ["model", "init-tiny", str(model)],
+        data: ["data", "synth", str(data), "--n-train", "2", "--n-val", "1"],
+        policy: ["sft", vla, f"model.path={policy}", f"sft.base_model={tiny_model_dir}"],
+    }
+    for folder, args in commands.items():
+        assert main(args) == 2, args
+        captured = capsys.readouterr()
+        assert _one_line(captured.err).startswith(f"error: {folder} is not empty"), captured.err
+        assert "--force" in captured.err and "Traceback" not in captured.err
+        assert [p.read_text() for p in folder.iterdir()] == ["mine"]
+    assert main([*commands[data], "--force"]) == 0
+    assert len(read_rows([str(data / "train.jsonl")])) == 2
+
+
 def test_data_synth_unknown_task_is_a_usage_error(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["data", "synth", str(tmp_path / "d"), "--task", "nope", "--n-train", "2", "--n-val", "1"])
@@ -118,6 +142,22 @@ def test_train_with_a_missing_data_file_returns_2(tmp_path, capsys, tiny_model_d
     err = _one_line(capsys.readouterr().err)
     assert "data.train_files" in err and "absent.jsonl" in err
     assert not run.exists()
+
+
+def test_a_model_folder_without_a_tokenizer_returns_2_naming_the_missing_files(
+    tmp_path, capsys, tiny_model_dir
+) -> None:
+    """transformers loads an empty tokenizer from such a folder, which failed only at step 1 in the engine."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*"))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "x", "answer": "y"}\n')
+    overrides = [f"model.path={model}", f"data.train_files={data}", "data.val_files=[]"]
+    assert main(["train", CONFIG, *overrides, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    captured = capsys.readouterr()
+    err = _one_line(captured.err)
+    assert f"error: {model} holds no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json)" in err
+    assert "Traceback" not in captured.err
 
 
 def test_unknown_subcommand_is_an_argparse_error(capsys) -> None:
@@ -206,6 +246,23 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys) -> None:
     err = _one_line(captured.err)
     assert f"{bad}, line 3" in err and "<unicode string>" not in err
     assert "Traceback" not in captured.err
+
+
+def test_a_key_written_twice_names_the_key_and_both_lines(tmp_path, capsys) -> None:
+    """YAML itself keeps the last of two equal keys without a word (a second `actor:` replacing the first)."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("actor:\n  lr: 1.0e-5\nmodel: {path: m}\nactor:\n  lr: 1.0e-3\n")
+    assert main(["config", "show", str(twice)]) == 2
+    captured = capsys.readouterr()
+    err = _one_line(captured.err)
+    assert f"{twice}, line 4, column 1" in err and "key 'actor' appears twice" in err and "line 1" in err
+    assert "Traceback" not in captured.err
+    merged = tmp_path / "merged.yaml"  # a merge key's values may be overridden: that is what it is for
+    merged.write_text(
+        "model: {path: m}\ndata: {train_files: [t.jsonl]}\nactor: &actor {lr: 1.0e-5}\ncritic:\n  <<: *actor\n  lr: 2.0e-5\n"
+    )
+    assert main(["config", "show", str(merged)]) == 0
+    assert "lr: 2.0e-05" in capsys.readouterr().out
 
 
 def test_a_folder_given_as_the_config_returns_2(tmp_path, capsys) -> None:

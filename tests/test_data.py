@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -140,6 +143,41 @@ def test_each_bad_row_is_skipped_with_its_reason(corpus, processor) -> None:
     assert dataset.skipped == Counter(
         bad_image=3, missing_answer=2, missing_prompt=2, bad_row=2, prompt_too_long=1, image_marker_mismatch=1
     )
+
+
+@pytest.mark.timeout(30)  # without the deadline it waits forever
+def test_an_image_that_blocks_on_read_is_skipped_instead_of_waited_for(
+    tmp_path, processor, monkeypatch, caplog
+) -> None:
+    """A FIFO as an image path (or a read from a hung network mount) blocked the data thread forever, and
+    with it the step a SIGTERM waits to finish: it is refused at once, and a read past the deadline is
+    given up, each row skipped and counted as bad_image with its reason logged."""
+    from mmrl.processors import files
+
+    _png(tmp_path / "good.png", (255, 0, 0))
+    _png(tmp_path / "hung.png", (0, 255, 0))
+    os.mkfifo(tmp_path / "fifo.png")
+    path = tmp_path / "rows.jsonl"
+    rows = [
+        {"problem": "<image>colour?", "answer": "red", "images": [name]} for name in ("fifo.png", "hung.png")
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, {**rows[0], "images": ["good.png"]}]))
+    real = files._regular_size
+
+    def hung_mount(file: Path) -> int:
+        if file.name == "hung.png":
+            time.sleep(5)
+        return real(file)
+
+    monkeypatch.setattr(files, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(files, "_regular_size", hung_mount)
+    dataset = _dataset(path, processor)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="mmrl"):
+        assert [s.row_id for s in dataset.prepare_all()] == [2]
+    assert time.monotonic() - start < 3
+    assert dataset.bad_rows == {0: "bad_image", 1: "bad_image"}
+    assert "fifo.png is a FIFO, not a regular file" in caplog.text
 
 
 def test_prepare_all_keeps_only_good_rows(corpus, processor) -> None:

@@ -361,6 +361,26 @@ def test_inline_mode_contains_bad_return_values_and_logs_once(
     assert len(warnings) == 1 and "nan" in warnings[0]
 
 
+def test_a_score_too_large_for_the_advantage_statistics_is_invalid_and_counted(tmp_path: Path) -> None:
+    """From about 1e19, GRPO's float32 group statistics overflow and every advantage of the group is 0
+    without a word; such a score is refused as a NaN is: that sample scores 0, counted and logged."""
+    import torch
+
+    from mmrl.algorithms import get_advantage_estimator
+
+    path = _write(tmp_path, "huge.py", "def huge(sample):\n    return {'overall': float(sample.response)}\n")
+    responses = ["1e19", "1", "-1e12", "3", "-2e30", "5"]
+    with RewardManager([{"name": f"{path}:huge"}], isolation="inline") as manager:
+        result = manager.score([_sample(r) for r in responses])
+    assert result.overall == [0.0, 1.0, -1e12, 3.0, 0.0, 5.0]
+    assert result.failures == Counter({"huge/invalid": 2})
+    assert "1e+19, beyond ±1e+12; scale the reward down" in result.errors["huge"]
+    scores = torch.tensor([result.overall[i] for i in (0, 1, 3, 5)], dtype=torch.float32)
+    mask = torch.ones(4, 1)
+    advantages, _ = get_advantage_estimator("grpo")(scores[:, None], mask, torch.zeros(4, dtype=torch.long))
+    assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
+
+
 @pytest.mark.timeout(60)
 def test_process_mode_isolates_crashes_hangs_and_bad_values(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -8,6 +8,7 @@ or a list of both, and raises `ToolError` for input it cannot use; the message g
 from __future__ import annotations
 
 import ast
+import difflib
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
+
+from mmrl.errors import ConfigError
 
 
 class ToolError(ValueError):
@@ -166,3 +169,27 @@ BUILTIN_TOOLS: dict[str, tuple[Callable[..., Any], str, dict[str, Any]]] = {
     ),
     "calculator": (calculator, "Evaluate an arithmetic expression exactly", CALCULATOR_SCHEMA),
 }
+# The fixed options a built-in takes from its config entry (`kwargs`), each with the values it allows.
+BUILTIN_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "image_zoom": {"frame": BOX_FRAMES},
+    "calculator": {},
+}
+
+
+def check_options(tool: str, options: dict[str, Any]) -> None:
+    """Refuse an option a built-in does not take, or a value it does not know, naming the valid ones:
+    `image_zoom` with `frame: norm100` would otherwise crop in the wrong coordinates without a word."""
+    allowed = BUILTIN_OPTIONS[tool]
+    for key, value in options.items():
+        known = allowed.get(key)
+        valid = known if known is not None else tuple(allowed)
+        if known is not None and value in known:
+            continue
+        close = difflib.get_close_matches(str(value if known is not None else key), valid, n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        what = (
+            f"kwargs {key}: {value!r} is not one of"
+            if known is not None
+            else f"unknown kwargs key {key!r}; its keys:"
+        )
+        raise ConfigError(f"agent.tools {tool}: {what} {', '.join(valid) or '(none)'}.{hint}")

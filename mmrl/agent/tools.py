@@ -20,8 +20,9 @@ from typing import Any
 
 from PIL import Image
 
-from mmrl.agent.builtin import BUILTIN_TOOLS, SeenImage, ToolError
+from mmrl.agent.builtin import BUILTIN_TOOLS, SeenImage, ToolError, check_options
 from mmrl.agent.calls import CallError, ToolCall
+from mmrl.errors import ConfigError
 from mmrl.rewards.loader import load_file_function
 from mmrl.rewards.outcome import Outcome
 from mmrl.rewards.pool import RemoteFunction, WorkerPool
@@ -69,6 +70,7 @@ class ToolSpec:
         if function in BUILTIN_TOOLS:
             _, description, parameters = BUILTIN_TOOLS[function]
             name = function
+            check_options(function, entry.get("kwargs") or {})
         elif ":" in function:
             description, parameters, name = "", None, function.rpartition(":")[2]
         else:
@@ -212,7 +214,13 @@ class ToolBox:
     bad_arguments (schema or the tool's own ToolError), exception, timeout."""
 
     def __init__(self, specs: Sequence[ToolSpec], timeout_s: float = 10.0, num_workers: int = 2) -> None:
-        self.specs = {s.name: s for s in specs}
+        self.specs: dict[str, ToolSpec] = {}
+        for spec in specs:  # one name, one tool: a second one would silently replace the first
+            if (first := self.specs.setdefault(spec.name, spec)) is not spec:
+                raise ConfigError(
+                    f"agent.tools: two tools are named {spec.name!r} ({first.function} and {spec.function}); "
+                    "give one of them another `name`"
+                )
         self.inline = ToolRunner([s for s in specs if s.builtin])
         remote = [s for s in specs if not s.builtin]
         # Loaded here first too, so a broken file fails at start as one line, and to read signatures.

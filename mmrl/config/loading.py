@@ -20,7 +20,26 @@ from mmrl.errors import ConfigError
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads `1e-5` and `3E4` as floats (YAML 1.2; PyYAML's 1.1 rules need a dot),
-    so a learning rate or a reward kwarg written the usual way never arrives as a string."""
+    so a learning rate or a reward kwarg written the usual way never arrives as a string, and that
+    refuses a key written twice in one mapping, which PyYAML settles silently by keeping the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` may be overridden, by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the constructor below names it
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {key!r} appears twice in one mapping, first on line "
+                    f"{first.start_mark.line + 1}; keep one",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

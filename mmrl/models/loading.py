@@ -80,10 +80,21 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     return model.to(device)
 
 
+# A tokenizer's vocabulary lives in one of these (the fast tokenizer's file, a sentencepiece model, or a
+# BPE vocabulary with its merges); without any, transformers builds an empty tokenizer without a word.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_processor(path: str | Path) -> Any:
     """The processor saved next to the weights (tokenizer, chat template, image and video processors);
-    a text-only model's is its tokenizer."""
+    a text-only model's is its tokenizer. A folder without a tokenizer's vocabulary is refused here,
+    not at the first step, where the empty tokenizer it would load fails inside the engine."""
     folder = model_folder(path)
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer files "
+            "of the model it came from into it, with its chat template, or point model.path at a full model folder"
+        )
     if family_of(AutoConfig.from_pretrained(folder)).takes_images:
         return AutoProcessor.from_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)

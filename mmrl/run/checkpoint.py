@@ -12,9 +12,11 @@ import errno
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.models import save_model
 
 log = logging.getLogger("mmrl.run.checkpoint")
@@ -30,10 +33,27 @@ TMP_PREFIX = ".tmp_step_"  # + step + writer pid: a checkpoint being written, or
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain values, so a checkpoint loads with `weights_only=True`."""
+    state = {
+        "python": random.getstate(),
+        "numpy": _numpy_state(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def _numpy_state(state: tuple[Any, ...]) -> dict[str, Any]:
+    """numpy's legacy RNG state (a tuple holding a uint32 array) as a tensor and plain values."""
+    name, keys, pos, has_gauss, cached_gaussian = state
+    return {
+        "name": str(name),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
 
 
 def rng_devices() -> list[int]:
@@ -43,7 +63,9 @@ def rng_devices() -> list[int]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    keys = numpy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((numpy["name"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -83,6 +105,7 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    _check_plain(state, "trainer state")
     tmp.mkdir()
     try:
         write_model(tmp)
@@ -105,6 +128,26 @@ def save_checkpoint(
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+_PLAIN = (torch.Tensor, torch.dtype, torch.device, str, bytes, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse, at save time and naming its key, a value `load_state_file` could not read back: only
+    tensors and plain data (dicts, lists and tuples of str, bytes, numbers, None) load with `weights_only=True`."""
+    if type(value) in (dict, OrderedDict):  # not subclasses (a Counter): they would not load
+        for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif type(value) in (list, tuple, torch.Size):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PLAIN):
+        raise TypeError(
+            f"{where} is a {type(value).__module__}.{type(value).__name__}; a checkpoint holds "
+            "tensors and plain data only (convert it to those)"
+        )
 
 
 def _os_error(err: BaseException) -> OSError | None:
@@ -188,7 +231,50 @@ def load_model_weights(model: Any, folder: Path) -> None:
 
 
 def load_trainer_state(folder: Path) -> dict[str, Any]:
-    return torch.load(folder / "trainer_state.pt", weights_only=False)
+    return load_state_file(folder / "trainer_state.pt")
+
+
+def load_state_file(path: Path) -> Any:
+    """A checkpoint's state file (trainer state, a schedule), read with `weights_only=True`.
+
+    Tensors and plain data only: unpickling anything else can run code, and a run folder may come
+    from someone else. A file that holds other objects (checkpoints of mmrl before 2026-12 pickled
+    numpy's RNG state) is refused in one line saying how to convert it, if its source is trusted."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = found.group(1) if found else "objects that are not tensors or plain data"
+        raise ConfigError(
+            f"{path} holds {what}, which mmrl does not load because unpickling it can run code (it was "
+            "written by an older mmrl, or not by mmrl). If you trust where the folder came from, convert it "
+            f"once with `python -m mmrl.run.checkpoint {path.parent}` and resume again; else start a fresh run"
+        ) from None
+
+
+def convert_trusted(folder: Path) -> None:
+    """Rewrite an older checkpoint's trainer state in the form `load_state_file` reads: loads it with
+    `weights_only=False`, so only for a folder whose source is trusted (`python -m mmrl.run.checkpoint`)."""
+    path = folder / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    numpy = state.get("rng", {}).get("numpy")
+    if isinstance(numpy, tuple):
+        state["rng"]["numpy"] = _numpy_state(numpy)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"][path.name] = path.stat().st_size
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    load_state_file(path)  # anything else unsafe left is named here
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:]:
+        convert_trusted(Path(name))
+        print(f"{name}: trainer state converted; `mmrl train CONFIG --resume` loads it now")
 
 
 def save_failure(root: Path, step: int, err: OSError) -> str:

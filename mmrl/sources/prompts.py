@@ -285,7 +285,7 @@ class PromptSource(RolloutSource):
 
     def state(self) -> dict[str, Any]:
         """The data cursor after the last batch trained on: batches still in flight are drawn again on resume."""
-        return {**self.drawn_state, "kl_coef": self.kl_ctrl.value}
+        return {**self.drawn_state, "kl_coef": float(self.kl_ctrl.value)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.loader.load_source_state(state)

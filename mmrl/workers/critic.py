@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from mmrl.config import Config
+from mmrl.run.checkpoint import load_state_file
 from mmrl.training.critic import Critic, build_critic, value_model
 from mmrl.training.optim import apply_settings
 from mmrl.workers.fsdp import load_sharded, save_sharded, shard_model
@@ -40,5 +41,5 @@ def save_critic(critic: Critic, folder: Path, rank: int) -> None:
 
 def load_critic(critic: Critic, folder: Path, cfg: Config) -> None:
     load_sharded(critic.model, critic.optimizer, folder / "critic" / "dcp", OPTIONS)
-    critic.scheduler.load_state_dict(torch.load(folder / "critic" / "scheduler.pt", weights_only=False))
+    critic.scheduler.load_state_dict(load_state_file(folder / "critic" / "scheduler.pt"))
     apply_settings(critic.optimizer, critic.scheduler, cfg.critic)  # a resume may change lr

@@ -25,6 +25,7 @@ from mmrl.data.sample import PromptSample
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
 from mmrl.rollout.hf import HFEngine
+from mmrl.run.checkpoint import load_state_file
 from mmrl.training.actor import build_actor, needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.lora import merged_state
@@ -166,9 +167,7 @@ class PolicyWorker:
 
     def load(self, folder: Path) -> None:
         load_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
-        self.actor.scheduler.load_state_dict(
-            torch.load(folder / "model" / "scheduler.pt", weights_only=False)
-        )
+        self.actor.scheduler.load_state_dict(load_state_file(folder / "model" / "scheduler.pt"))
         apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)  # a resume may change lr
         if self.critic is not None:
             load_critic(self.critic, folder, self.cfg)
