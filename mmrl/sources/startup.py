@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,12 @@ def check_env(key: str, task: str, options: dict[str, Any], game: bool = False) 
     if family_task is not None and known and family_task not in known:
         family = task[: len(task) - len(family_task)]
         raise unknown_name(f"{key}={task!r}: {family} has no task {family_task!r}", family_task, known)
+    if game and not getattr(factory, "words", None):
+        raise ConfigError(
+            f"{key}={task!r} names no moves (`Env.words`), so a language policy cannot play it turn by turn; "
+            "play an env that does (gridnav), or train this one as a VLA policy (an `env` section, no "
+            "`agent.game`)"
+        )
     signature = inspect.signature(factory)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     accepted = [name for name in signature.parameters if name != "task" or family_task is None]
@@ -157,21 +164,6 @@ def check_env(key: str, task: str, options: dict[str, Any], game: bool = False) 
             raise unknown_name(
                 f"{key.rpartition('.')[0]}.options: env {task!r} takes no option {option!r}", option, accepted
             )
-    if game and not getattr(factory, "words", None):
-        raise ConfigError(
-            f"{key}={task!r} names no moves, so a language policy cannot play it turn by turn; games are "
-            f"{', '.join(n for n in registered_envs() if getattr(_factory_or_none(n), 'words', None))}, "
-            "or train it as a VLA policy (an `env` section, no `agent.game`)"
-        )
-
-
-def _factory_or_none(name: str) -> Any:
-    from mmrl.envs.registry import env_factory
-
-    try:
-        return env_factory(name)[0]
-    except (KeyError, ImportError):
-        return None
 
 
 def check_tools(tools: list[ToolConfig]) -> None:
@@ -229,8 +221,9 @@ def check_data(key: str, spec: str) -> None:
 
 
 def check_writable(key: str, folder: str) -> None:
-    """A folder the command writes into: a folder if it exists, and created where its nearest existing
-    parent is a folder this process may write in."""
+    """A folder the command writes into: a folder if it exists, else made under its nearest existing
+    parent. Tried by making (and removing) an empty folder there, as permission bits do not tell a
+    read-only mount, or what root may not write, from a writable place."""
     path = Path(folder).absolute()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{key}={folder}: {path} is a file; give a folder to write into")
@@ -239,11 +232,13 @@ def check_writable(key: str, folder: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{key}={folder}: {existing} is a file, so no folder can be made under it")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mmrl_write_check_", dir=existing))
+    except OSError as err:
         raise ConfigError(
-            f"{key}={folder}: {existing} is read-only for this process, so nothing can be written there; "
-            "give a folder you can write in"
-        )
+            f"{key}={folder}: nothing can be written in {existing} ({err.strerror}); give a folder you can "
+            "write in"
+        ) from None
 
 
 def check_resources(cfg: Config) -> None:
