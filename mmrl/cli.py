@@ -48,9 +48,10 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from mmrl.evaluate.prompts import evaluate, print_table
+    from mmrl.evaluate.prompts import evaluate, print_table, resolve_checkpoint
 
     cfg = _load(args)
+    resolve_checkpoint(args.checkpoint)  # the model to score is the first thing a mistake can be in
     check_startup(cfg, "eval")
     if cfg.env is not None:
         from mmrl.evaluate.episodes import evaluate_episodes
