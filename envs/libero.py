@@ -92,7 +92,9 @@ class LiberoEnv(Env):
     """One LIBERO task, started from its stored initial states."""
 
     action_dim = 7
-    task_names = tuple(f"{suite}/{index}" for suite, count in TASKS_PER_SUITE.items() for index in range(count))
+    task_names = tuple(
+        f"{suite}/{index}" for suite, count in TASKS_PER_SUITE.items() for index in range(count)
+    )
 
     def __init__(
         self,

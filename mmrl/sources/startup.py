@@ -87,8 +87,8 @@ def check_model(key: str, path: str) -> None:
 
     try:
         folder = checked_folder(path)
-    except FileNotFoundError as err:
-        raise ConfigError(str(err)) from None
+    except FileNotFoundError as err:  # worded for model.path, the key most runs name their model by
+        raise ConfigError(str(err).replace("model.path", key)) from None
     try:
         model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError) as err:

@@ -52,8 +52,8 @@ def check_capacity(requests: list[Request]) -> None:
         if total > have[kind]:
             parts = " + ".join(f"{s} ({a[kind]:g})" for s, a in asked.items() if a[kind])
             raise ResourceError(
-                f"this run asks Ray for {total:g} {kind}(s): {parts}, and {cluster}, so the workers would "
-                f"wait for ever; lower {' or '.join(s.partition('=')[0] for s, a in asked.items() if a[kind])} "
+                f"this run asks Ray for {total:g} {kind}(s): {parts}, and {cluster}, so its workers could "
+                f"never all start; lower {' or '.join(s.partition('=')[0] for s, a in asked.items() if a[kind])} "
                 f"to fit {have[kind]:g} {kind}(s) in all, or add nodes (`ray start --address=<head>:6379`, "
                 "then trainer.ray_address=auto)"
             )
