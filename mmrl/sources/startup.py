@@ -204,14 +204,18 @@ def check_data(key: str, spec: str) -> None:
     for path in source.files:
         if not path.is_file():
             raise ConfigError(f"{key}: {path} is not a file; give a data file or a dataset folder")
+        try:
+            with path.open("rb") as f:
+                head = f.read(4)
+                f.seek(max(path.stat().st_size - 4, 0))
+                tail = f.read(4)
+        except OSError as err:
+            raise ConfigError(
+                f"{key}: {path} cannot be read ({err.strerror}); check its permissions"
+            ) from None
         if path.suffix != ".parquet":
             continue
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(4)
-            f.seek(max(size - 4, 0))
-            tail = f.read(4)
-        if size == 0:
+        if not head:
             raise ConfigError(f"{key}: {path} is empty (0 bytes); write the parquet file again")
         if head != b"PAR1" or tail != b"PAR1":
             raise ConfigError(
