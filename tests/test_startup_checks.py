@@ -53,6 +53,18 @@ def _truncated_model(tmp: Path, model: Path) -> Path:
     return folder
 
 
+def _model_missing_a_shard(tmp: Path, model: Path) -> Path:
+    folder = tmp / "model"
+    shutil.copytree(model, folder)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {
+        "a.weight": "model-00001-of-00002.safetensors",
+        "b.weight": "model-00002-of-00002.safetensors",
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
 def _parquet(tmp: Path, content: bytes) -> Path:
     path = tmp / "train.parquet"
     path.write_bytes(content)
@@ -86,6 +98,10 @@ CASES: dict[str, tuple[Case, list[str]]] = {
     "truncated_safetensors": (
         lambda tmp, model: _prompt_run(tmp, _truncated_model(tmp, model)),
         ["model.path", "model.safetensors is", "cut short", "download it again"],
+    ),
+    "missing_weight_shard": (
+        lambda tmp, model: _prompt_run(tmp, _model_missing_a_shard(tmp, model)),
+        ["model.path", "lacks weight files its index names: model-00002-of-00002.safetensors"],
     ),
     "unknown_env": (
         lambda tmp, model: _vla_run(tmp, model, "env.task=reahc"),

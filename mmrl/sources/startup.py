@@ -100,11 +100,22 @@ def check_model(key: str, path: str) -> None:
             sorted(FAMILIES),
             " (docs/adding_a_model.md adds a family)",
         )
+    redo = f"copy or download it again, or {MODEL_BUILD_HINT}"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file() and not (folder / "model.safetensors").is_file():  # transformers' order
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise ConfigError(f"{key}: {index} is not a readable weight index ({err}); {redo}") from None
+        if missing := sorted(name for name in shards if not (folder / name).is_file()):
+            raise ConfigError(
+                f"{key}: {folder} lacks weight files its index names: {', '.join(missing)}; {redo}"
+            )
     for weights in sorted(folder.glob("*.safetensors")):
         if problem := safetensors_problem(weights):
             raise ConfigError(
                 f"{key}: {weights} is {problem}: it was cut short or damaged (a copy or download that did "
-                f"not finish?); copy or download it again, or {MODEL_BUILD_HINT}"
+                f"not finish?); {redo}"
             )
 
 
