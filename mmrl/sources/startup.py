@@ -5,7 +5,8 @@ A setup mistake (a misspelt env, task, suite, tool, grader or family; an option 
 missing, truncated or unwritable file) then ends the command in one line that names the key, what is
 wrong and what to do, with a close match where there is one, and exit code 2, instead of a traceback
 from deep inside the run minutes later. Each check reads a registry the run itself uses, so a name
-registered there passes here.
+registered there passes here. Last, what a run asks Ray for is held against what its cluster has: a
+request no cluster placement can meet stops the run at once (a `ResourceError`), not after a long wait.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Any
 
 from mmrl.config import Config, ToolConfig
 from mmrl.errors import ConfigError, unknown_name
-
-MODEL_BUILD_HINT = "build a tiny one with `mmrl model init-tiny DIR`, or point it at a model folder"
 
 
 def check_startup(cfg: Config, command: str) -> None:
@@ -100,7 +99,7 @@ def check_model(key: str, path: str) -> None:
             sorted(FAMILIES),
             " (docs/adding_a_model.md adds a family)",
         )
-    redo = f"copy or download it again, or {MODEL_BUILD_HINT}"
+    redo = "copy or download it again, or build a tiny one with `mmrl model init-tiny DIR`"
     index = folder / "model.safetensors.index.json"
     if index.is_file() and not (folder / "model.safetensors").is_file():  # transformers' order
         try:
