@@ -43,6 +43,8 @@ class Env(ABC):
     # Moves a language policy names by a word, and the action each stands for; a task that has them can
     # be played turn by turn in a conversation (`agent.game`), not only through action tokens.
     words: ClassVar[dict[str, np.ndarray]] = {}
+    # A family's tasks by name (``metaworld/<task>``), checked before any env is built; empty: not listed.
+    task_names: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def reset(self, seed: int | None = None) -> tuple[Obs, Info]:

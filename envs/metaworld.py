@@ -111,6 +111,7 @@ class MetaWorldEnv(Env):
     """One Meta-World v3 task; `reset(seed)` draws its object and goal positions from the seed."""
 
     action_dim = 4
+    task_names = tuple(INSTRUCTIONS)
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, overload
 
 from mmrl.envs.base import Env
 
-__all__ = ["make_env", "register_env", "registered_envs"]
+__all__ = ["env_factory", "make_env", "register_env", "registered_envs"]
 
 Factory = Callable[..., Env]
 F = TypeVar("F", bound=Factory)
@@ -58,14 +58,22 @@ def registered_envs() -> tuple[str, ...]:
     return tuple(sorted(name + "<task>" if name.endswith("/") else name for name in _REGISTRY))
 
 
+def env_factory(name: str) -> tuple[Factory, str | None]:
+    """The factory registered as ``name`` (imported on first use) and, for a family, the task within it.
+
+    A family's factory may list the tasks it knows as ``task_names``, so a misspelt task is caught before
+    any env is built."""
+    entry, task = _lookup(name)
+    return _resolve(entry), task
+
+
 def make_env(name: str, **kwargs: Any) -> Env:
     """Build the task registered as ``name``; options it does not accept fail here, listing those it does."""
-    entry, task = _lookup(name)
+    factory, task = env_factory(name)
     if task is not None:
         if "task" in kwargs:
             raise TypeError(f"env {name!r} names its task; pass no task= option")
         kwargs = {"task": task, **kwargs}
-    factory = _resolve(entry)
     signature = inspect.signature(factory)
     try:
         signature.bind(**kwargs)

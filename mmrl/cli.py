@@ -16,6 +16,7 @@ from mmrl.config.recipes import resolve_config
 from mmrl.errors import ConfigError, RunStopped
 from mmrl.run.logger import DISK_FULL
 from mmrl.run.signals import RunInterrupted
+from mmrl.sources.startup import check_family, check_startup
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -26,53 +27,9 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(path, args.overrides)
 
 
-def _check_device(device: str) -> None:
-    """A CUDA device asked for where none is visible fails here, not as a torch assertion mid start-up."""
-    import torch
-
-    index = device.partition(":")[2]
-    seen = torch.cuda.device_count()
-    if device.startswith("cuda") and (int(index) if index.isdigit() else 0) >= seen:
-        visible = f"only {seen} CUDA GPU(s) are" if seen else "no CUDA GPU is"
-        raise ConfigError(
-            f"trainer.device={device}, but {visible} visible to this process; use trainer.device=auto "
-            "(the GPU when there is one, else the CPU) or trainer.device=cpu"
-        )
-
-
-def _preflight(cfg: Config) -> None:
-    """Fail before any model is loaded or run folder written when an input path is wrong.
-
-    Without this a missing model folder surfaces as a transformers hub error about repo ids
-    (the processor is loaded first), and a missing data file only after the model has loaded.
-    """
-    _check_device(cfg.trainer.device)
-    model = Path(cfg.model.path)
-    if not (model / "config.json").exists() and cfg.sft is not None:
-        raise FileNotFoundError(
-            f"model.path: no model at {model}; this config starts from behaviour cloning, so run "
-            "`mmrl sft` with it first (it writes model.path)"
-        )
-    from mmrl.data.rows import resolve_data
-    from mmrl.models import load_config as load_model_config
-
-    load_model_config(cfg.model.path)  # a folder or a hub id, of a supported family
-
-    for key in ("train_files", "val_files"):
-        for name in getattr(cfg.data, key):
-            try:
-                resolve_data(name)  # FOLDER@SPLIT and hub-cache names too, not only plain paths
-            except (FileNotFoundError, ConfigError) as err:
-                raise type(err)(f"data.{key}: {err}") from None
-    if cfg.env is None:  # env configs are scored by their environment, not by reward functions
-        from mmrl.sources.scoring import check_rewards
-
-        check_rewards(cfg.reward)
-
-
 def _train(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    _preflight(cfg)
+    check_startup(cfg, "train")
     from mmrl.trainer import Trainer
 
     Trainer(cfg, resume=args.resume).fit()
@@ -85,29 +42,23 @@ def _sft(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if cfg.sft is None or cfg.env is None:
         raise ConfigError(f"{args.config} has no env and sft sections; see configs/vla_mujoco_reach.yaml")
-    if not (Path(cfg.sft.base_model) / "config.json").exists():
-        raise FileNotFoundError(
-            f"sft.base_model: no model at {cfg.sft.base_model}; build a tiny one with "
-            f"`mmrl model init-tiny {cfg.sft.base_model}`"
-        )
+    check_startup(cfg, "sft")
     _output_folder(cfg.model.path, args.force, "the cloned policy (model.path)")
     run_sft(cfg)
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from mmrl.evaluate.prompts import evaluate, print_table
+    from mmrl.evaluate.prompts import evaluate, print_table, resolve_checkpoint
 
     cfg = _load(args)
-    _check_device(cfg.trainer.device)
+    resolve_checkpoint(args.checkpoint)  # the model to score is the first thing a mistake can be in
+    check_startup(cfg, "eval")
     if cfg.env is not None:
         from mmrl.evaluate.episodes import evaluate_episodes
 
         print_table(evaluate_episodes(cfg, args.checkpoint, episodes=args.episodes, out=args.out), Console())
         return 0
-    from mmrl.sources.scoring import check_rewards
-
-    check_rewards(cfg.reward)
     result = evaluate(
         cfg,
         args.checkpoint,
@@ -155,6 +106,7 @@ def _output_folder(path: str | Path, force: bool, what: str) -> Path:
 def _init_tiny(args: argparse.Namespace) -> int:
     from mmrl.models import build_tiny
 
+    check_family("--family", args.family)
     out = build_tiny(
         _output_folder(args.out_dir, args.force, "the model"), family=args.family, seed=args.seed
     )

@@ -1,5 +1,8 @@
 """Errors that end a run with a message for the user rather than a traceback (the CLI prints them)."""
 
+import difflib
+from collections.abc import Iterable
+
 
 class RunStopped(RuntimeError):
     """The run stopped for a reason the message explains, naming the step, what is intact and what to do."""
@@ -31,3 +34,13 @@ class RewardError(RunStopped):
 
 class ConfigError(ValueError):
     """A configuration problem, with a message meant for the person running the command."""
+
+
+def unknown_name(problem: str, name: str, known: Iterable[str], advice: str = "") -> ConfigError:
+    """`problem` (what `name` is not), the known name closest to `name`, the known names (the first 12 of
+    a longer list) and `advice`, as one line."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    listed = ", ".join(known[:12]) + (f", ... ({len(known)} in all)" if len(known) > 12 else "")
+    return ConfigError(f"{problem}{hint}; known: {listed}{advice}")

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from mmrl.config import Config
 from mmrl.data.batch import response_metrics, token_count
-from mmrl.errors import CheckpointError, ConfigError, NumericalError, RolloutError, WorkerError
+from mmrl.errors import CheckpointError, ConfigError, NumericalError, RewardError, RolloutError, WorkerError
 from mmrl.models import load_processor, tokenizer_of
 from mmrl.run import checkpoint as ckpt
 from mmrl.run.lock import RunLock
@@ -361,9 +361,13 @@ class Trainer:
             yield
         except WorkerError as err:
             raise WorkerError(
-                f"step {self.step}: {err}. The other workers were stopped; checkpoints up to the last save are "
-                f"intact in {self.run_dir / 'checkpoints'}. Fix the cause and run again with --resume."
+                f"step {self.step}: {err}. The other workers were stopped. {self._kept()}"
             ) from err
+        except RewardError as err:
+            raise RewardError(f"{err}. {self._kept()}") from err
+
+    def _kept(self) -> str:
+        return ckpt.what_is_kept(self.run_dir / "checkpoints", self.cfg.trainer.save_every)
 
     @contextmanager
     def _engine_errors(self, what: str) -> Iterator[None]:
@@ -375,7 +379,5 @@ class Trainer:
             raise  # the worker group names its own failures
         except Exception as err:
             raise RolloutError(
-                f"step {self.step}: the {type(self.engine).__name__} failed during {what}: {err!r}. Checkpoints "
-                f"up to the last save are intact in {self.run_dir / 'checkpoints'}; fix the cause and run "
-                "again with --resume."
+                f"step {self.step}: the {type(self.engine).__name__} failed during {what}: {err!r}. {self._kept()}"
             ) from err

@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, cast
 
 from mmrl.rewards.graders import BATCHED_GRADERS
 from mmrl.rewards.loader import load_reward_function, split_file_spec
-from mmrl.rewards.outcome import EventLoop, Outcome, Scorer, run_calls
+from mmrl.rewards.outcome import EventLoop, Outcome, Scorer, exits_raised, report_crashes, run_calls
 from mmrl.rewards.pool import RemoteFunction, WorkerPool
 from mmrl.rewards.types import RewardInput, RewardResult
 
@@ -67,6 +68,8 @@ class RewardManager:
         num_workers: int = 2,
     ):
         self._functions = configure_functions(specs, timeout_s, isolation)
+        if any(split_file_spec(f.spec) and not f.remote for f in self._functions):
+            report_crashes()  # user code in this process: a segfault there prints the stack that names it
         if num_workers < 1:
             raise ValueError(f"need num_workers >= 1, got {num_workers}")
         self._logged: set[tuple[str, str]] = set()
@@ -103,8 +106,13 @@ class RewardManager:
         self.close()
 
     def _score_inline(self, samples: list[RewardInput]) -> dict[str, list[Outcome]]:
-        """Outcomes of the functions that run in this process, by label."""
+        """Outcomes of the functions that run in this process, by label. User code among them (inline
+        isolation) runs with `os._exit` raising, so an exit is that function's counted failure."""
         inline = [f for f in self._functions if not f.remote]
+        with exits_raised() if any(split_file_spec(f.spec) for f in inline) else nullcontext():
+            return self._run_inline(inline, samples)
+
+    def _run_inline(self, inline: list[_Function], samples: list[RewardInput]) -> dict[str, list[Outcome]]:
         outcomes: dict[str, list[Outcome | None]] = {f.label: [None] * len(samples) for f in inline}
         calls: list[tuple[tuple[str, range], Scorer, list[RewardInput]]] = []
         for f in inline:

@@ -8,13 +8,16 @@ process boundary, whatever the user function returned.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import math
+import os
 import threading
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Literal, SupportsFloat, TypeVar
+from typing import Any, Literal, NoReturn, SupportsFloat, TypeVar
 
 from mmrl.rewards.types import RewardFn, RewardInput
 
@@ -244,3 +247,31 @@ async def _gather(
 
     awaitables: list[Awaitable[None]] = [one(*call) for call in calls]
     await asyncio.gather(*awaitables)
+
+
+@contextmanager
+def exits_raised() -> Iterator[None]:
+    """While user functions run in the trainer's process, `os._exit` raises SystemExit instead of ending
+    the process on the spot with no word: the call then counts as that function's failure, printed the
+    first time with the function's name, as `exit()` does already."""
+    real = os._exit
+
+    def refuse(code: int) -> NoReturn:
+        raise SystemExit(
+            f"os._exit({code}) called in the trainer's process (reward.isolation: inline); the run goes on. "
+            "Under reward.isolation: process such a call ends only a worker"
+        )
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def report_crashes() -> None:
+    """Have a crash of native code (a segfault, an abort) in this process print every thread's Python
+    stack, which names the user function it happened in, instead of ending the run without a word."""
+    if not faulthandler.is_enabled():
+        with suppress(AttributeError, ValueError, OSError):  # a stderr without a file descriptor (a notebook)
+            faulthandler.enable(all_threads=True)

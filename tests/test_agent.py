@@ -3,6 +3,7 @@ trajectory limits, and the trainer's log-probs over a multi-turn trajectory with
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -470,3 +471,19 @@ def test_a_groups_trajectories_share_their_first_prompts_forward_exactly(tiny: A
     assert padded_grads.keys() == shared_grads.keys()
     for name, grad in padded_grads.items():
         assert (shared_grads[name] - grad).norm() <= 1e-5 * grad.norm().clamp(min=1e-12), name
+
+
+def test_the_first_failure_of_each_tool_and_kind_is_printed_with_its_message(caplog) -> None:
+    """A tool failing on every call shows up as a line with the error, once per tool and kind, not only as
+    a count in metrics.jsonl."""
+    box = ToolBox([ToolSpec.from_config({"function": "calculator"})])
+    calls = [ToolCall("calculator", {"expression": f"{n} / 0"}) for n in range(3)] + [
+        ToolCall("weather", {})
+    ] * 2
+    with caplog.at_level(logging.WARNING, logger="mmrl.agent.tools"):
+        box.run(calls, [[] for _ in calls])
+    assert box.failures == {"calculator/bad_arguments": 3, "weather/unknown_tool": 2}
+    lines = [r.getMessage() for r in caplog.records if r.name == "mmrl.agent.tools"]
+    assert len(lines) == 2, lines
+    assert "'calculator' failed (bad_arguments)" in lines[0] and "division by zero" in lines[0]
+    assert "'weather' failed (unknown_tool)" in lines[1] and "there is no tool 'weather'" in lines[1]

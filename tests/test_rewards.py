@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import re
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from collections import Counter
@@ -483,3 +485,43 @@ def test_workers_are_reaped_when_a_manager_is_dropped_without_close(tmp_path: Pa
     del manager
     gc.collect()
     assert not any(_alive(pid) for pid in pids)
+
+
+INLINE_EXIT_AND_CRASH = """
+    import ctypes
+    import os
+
+
+    def exits(sample):
+        os._exit(3)
+
+
+    def crashes(sample):
+        ctypes.string_at(0)
+"""
+
+
+def test_an_inline_reward_that_exits_or_segfaults_is_named(tmp_path: Path, caplog) -> None:
+    """Under isolation=inline, `os._exit` in a reward is that reward's counted failure, printed with its
+    name, not a silent end of the run; a segfault prints the stack that names the function."""
+    path = _write(tmp_path, "bad.py", INLINE_EXIT_AND_CRASH)
+    manager = RewardManager([{"name": f"{path}:exits"}], isolation="inline")
+    with caplog.at_level(logging.WARNING, logger="mmrl.rewards"), manager:
+        result = manager.score([_sample("a"), _sample("b")])
+    assert result.failures == {"exits/exception": 2} and result.overall == [0.0, 0.0]
+    assert "os._exit(3) called in the trainer's process" in result.errors["exits"]
+    (record,) = [r for r in caplog.records if r.name == "mmrl.rewards"]
+    assert "'exits'" in record.getMessage() and "os._exit(3)" in record.getMessage()
+    assert os._exit.__module__ == "posix", "os._exit is restored after the call"
+
+    code = (
+        "from mmrl.rewards import RewardInput, RewardManager\n"
+        f"m = RewardManager([{{'name': '{path}:crashes'}}], isolation='inline')\n"
+        "m.score([RewardInput(response='a', ground_truth=None)])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    crashed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert crashed.returncode == -signal.SIGSEGV
+    assert "Segmentation fault" in crashed.stderr and f'File "{path}", line 11 in crashes' in crashed.stderr

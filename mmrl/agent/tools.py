@@ -12,6 +12,7 @@ hangs or kills its interpreter costs one call; built-ins are trusted and run in-
 from __future__ import annotations
 
 import inspect
+import logging
 import traceback
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from mmrl.errors import ConfigError
 from mmrl.rewards.loader import load_file_function
 from mmrl.rewards.outcome import Outcome
 from mmrl.rewards.pool import RemoteFunction, WorkerPool
+
+log = logging.getLogger("mmrl.agent.tools")
 
 # What a call comes back as: text and images, in order.
 Result = list[str | Image.Image]
@@ -236,6 +239,7 @@ class ToolBox:
         )
         self.failures: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self._logged: set[str] = set()  # the failure kinds already printed, as `tool/kind`
 
     def schemas(self) -> list[dict[str, Any]]:
         return [s.schema() for s in self.specs.values()]
@@ -282,7 +286,20 @@ class ToolBox:
         return self._failed(name, kind, detail)
 
     def _failed(self, name: str, kind: str, detail: str) -> Observation:
-        self.failures[f"{name}/{kind}"] += 1
+        """A failed call: counted, answered with an error turn, and the first of its tool and kind printed
+        with its message (a tool that fails on every call would otherwise be seen only as a count)."""
+        key = f"{name}/{kind}"
+        self.failures[key] += 1
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(
+                "tool %r failed (%s): %s. The model is told so; later failures of this kind are only counted "
+                "(agent/tool_failures/%s in the metrics).",
+                name,
+                kind,
+                detail,
+                key,
+            )
         return Observation([f"Error: {detail}"], failure=kind)
 
     def close(self) -> None:

@@ -277,6 +277,23 @@ if __name__ == "__main__":
         print(f"{name}: trainer state converted; `mmrl train CONFIG --resume` loads it now")
 
 
+def what_is_kept(root: Path, save_every: int) -> str:
+    """What a run stopped by a fault leaves to go on from, and how: its newest complete checkpoint and
+    `--resume`, or, when none was written, that the run starts over (`--resume` does so in its folder)."""
+    newest = latest_checkpoint(root)
+    if newest is not None:
+        return f"Checkpoints up to {newest.name} are intact in {root}; fix the cause and run again with --resume."
+    why = (
+        "trainer.save_every is 0"
+        if not save_every
+        else f"the first save, at step {save_every}, was not reached"
+    )
+    return (
+        f"No checkpoint was written ({why}), so this run starts over: fix the cause and run again with "
+        "--resume, which starts afresh in the same folder."
+    )
+
+
 def save_failure(root: Path, step: int, err: OSError) -> str:
     """What went wrong writing a checkpoint, what is still safe, and what to do."""
     cause = "no space left on the device" if err.errno == errno.ENOSPC else (err.strerror or str(err))

@@ -30,6 +30,16 @@ from mmrl.vla.observations import ObservationPrompts
 from mmrl.vla.sft import load_action_tokenizer, save_action_tokenizer
 
 
+def train_env_count(cfg: Any) -> int:
+    """The envs a training run asks for: one per training episode of a step or per evaluation episode."""
+    return max(cfg.data.train_batch_size * cfg.rollout.n, cfg.env.val_episodes)
+
+
+def env_workers(cfg: Any, count: int) -> int:
+    """The Ray env workers that `count` envs take: `env.num_workers`, but no more than the envs alive."""
+    return min(cfg.env.num_workers, count, cfg.env.max_envs or count)
+
+
 def make_envs(cfg: Any, count: int) -> VectorEnv:
     """`count` envs of the configured task (at most `env.max_envs`): in this process, or over
     `env.num_workers` Ray workers."""
@@ -44,7 +54,7 @@ def make_envs(cfg: Any, count: int) -> VectorEnv:
     return EnvPool(
         env.task,
         count,
-        min(env.num_workers, count),
+        env_workers(cfg, count),
         env.options,
         timeout_s=env.timeout_s,
         max_restarts=env.max_restarts,
@@ -77,7 +87,7 @@ class EpisodeSource(RolloutSource):
 
     def __init__(self, cfg: Config, processor: Any, model_config: Any) -> None:
         self.cfg = cfg
-        self.envs = make_envs(cfg, max(cfg.data.train_batch_size * cfg.rollout.n, cfg.env.val_episodes))
+        self.envs = make_envs(cfg, train_env_count(cfg))
         self.action_tokenizer = episode_tokenizer(
             cfg, cfg.model.path, model_config.get_text_config().vocab_size, self.envs.action_dim
         )

@@ -61,8 +61,7 @@ class FailingRewards:
             if self.max_steps and step - first + 1 >= self.max_steps:
                 raise RewardError(
                     f"reward function {label!r} failed on every sample for {step - first + 1} steps in a "
-                    f"row (steps {first}-{step}); its first error: {error}. Fix it, then continue with "
-                    "`mmrl train CONFIG --resume` (the checkpoints are intact), or raise "
+                    f"row (steps {first}-{step}); its first error: {error}. Fix it, or raise "
                     "reward.max_all_failed_steps to wait longer"
                 )
 

@@ -183,3 +183,20 @@ def test_a_reward_failing_on_every_sample_stops_the_run_naming_it_and_its_error(
     assert "'broken' failed on every sample for 2 steps in a row (steps 1-2)" in err
     assert "KeyError: 'bbox'" in err and "reward.max_all_failed_steps" in err and "--resume" in err
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1], "step 2 is not trained on"
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_stop_without_a_checkpoint_does_not_claim_one(
+    tmp_path, tiny_model_dir, colour_task, capsys
+) -> None:
+    """With `trainer.save_every: 0` nothing is saved before the end: the stop says so, not that checkpoints
+    are intact."""
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, colour_task["train"], run, colour_task["reward"], steps=3)
+    broken = f"{{name: '{_reward_file(tmp_path)}:broken'}}"
+    reward = f"reward.functions=[{{name: '{colour_task['reward']}:scramble'}}, {broken}]"
+    settings = ["reward.isolation=inline", "reward.max_all_failed_steps=1", "trainer.save_every=0"]
+    assert main(["train", CONFIG, *args, reward, *settings]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'broken' failed on every sample" in err and "intact" not in err, err
+    assert "No checkpoint was written (trainer.save_every is 0), so this run starts over" in err

@@ -1,0 +1,219 @@
+"""Setup mistakes end in one line and exit 2 before any work (mmrl/sources/startup.py), and requests the
+Ray cluster can never hold fail at start: each case through `mmrl.cli.main`, as a user meets it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mmrl.cli import main
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PROMPTS, VLA, AGENT, GAME = (
+    str(CONFIGS / f"{name}.yaml")
+    for name in ("quickstart", "vla_mujoco_reach", "quickstart_agent", "quickstart_game")
+)
+
+
+def _one_line(text: str) -> str:
+    """Rich wraps long messages at the console width; compare text with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+def _prompt_run(tmp: Path, model: Path, *overrides: str, config: str = PROMPTS) -> list[str]:
+    data = tmp / "train.jsonl"
+    data.write_text('{"problem": "x", "answer": "y"}\n')
+    paths = [f"model.path={model}", f"data.train_files={data}", "data.val_files=[]"]
+    return ["train", config, *paths, f"trainer.output_dir={tmp / 'run'}", *overrides]
+
+
+def _vla_run(tmp: Path, model: Path, *overrides: str) -> list[str]:
+    paths = [f"model.path={model}", f"sft.base_model={model}", f"trainer.output_dir={tmp / 'run'}"]
+    return ["train", VLA, *paths, *overrides]
+
+
+def _model_of_type(tmp: Path, model: Path) -> Path:
+    folder = tmp / "model"
+    folder.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_5_vll"}))
+    return folder
+
+
+def _truncated_model(tmp: Path, model: Path) -> Path:
+    folder = tmp / "model"
+    shutil.copytree(model, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+def _model_missing_a_shard(tmp: Path, model: Path) -> Path:
+    folder = tmp / "model"
+    shutil.copytree(model, folder)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {
+        "a.weight": "model-00001-of-00002.safetensors",
+        "b.weight": "model-00002-of-00002.safetensors",
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def _parquet(tmp: Path, content: bytes) -> Path:
+    path = tmp / "train.parquet"
+    path.write_bytes(content)
+    return path
+
+
+def _tool_file(tmp: Path) -> str:
+    (tmp / "tools.py").write_text("def lookup(query):\n    return query\n")
+    return f"{tmp / 'tools.py'}:lookup"
+
+
+def _read_only(tmp: Path) -> Path:
+    """A folder nothing can be written in, for root too (which permission bits do not stop)."""
+    if os.geteuid() == 0:
+        return Path("/sys/mmrl-run")
+    folder = tmp / "read-only"
+    folder.mkdir(mode=0o555)
+    return folder / "run"
+
+
+Case = Callable[[Path, Path], list[str]]
+CASES: dict[str, tuple[Case, list[str]]] = {
+    "unknown_family": (
+        lambda tmp, model: ["model", "init-tiny", str(tmp / "run"), "--family", "qwen25_vl"],
+        ["--family 'qwen25_vl'", "did you mean 'qwen2_5_vl'?", "qwen3_vl"],
+    ),
+    "unknown_model_type": (
+        lambda tmp, model: _prompt_run(tmp, _model_of_type(tmp, model)),
+        ["model.path", "model_type 'qwen2_5_vll'", "did you mean 'qwen2_5_vl'?"],
+    ),
+    "truncated_safetensors": (
+        lambda tmp, model: _prompt_run(tmp, _truncated_model(tmp, model)),
+        ["model.path", "model.safetensors is", "cut short", "download it again"],
+    ),
+    "missing_weight_shard": (
+        lambda tmp, model: _prompt_run(tmp, _model_missing_a_shard(tmp, model)),
+        ["model.path", "lacks weight files its index names: model-00002-of-00002.safetensors"],
+    ),
+    "unknown_env": (
+        lambda tmp, model: _vla_run(tmp, model, "env.task=reahc"),
+        ["env.task='reahc' is not a registered env", "did you mean 'reach'?"],
+    ),
+    "unknown_metaworld_task": (
+        lambda tmp, model: _vla_run(tmp, model, "env.task=metaworld/reech-v3"),
+        ["metaworld/ has no task 'reech-v3'", "did you mean 'reach-v3'?"],
+    ),
+    "unknown_libero_suite": (
+        lambda tmp, model: _vla_run(tmp, model, "env.task=libero/spacial/0"),
+        ["libero/ has no task 'spacial/0'", "did you mean 'spatial/0'?"],
+    ),
+    "unknown_env_option": (
+        lambda tmp, model: _vla_run(tmp, model, "env.options.image_sise=56"),
+        ["env.options: env 'reach' takes no option 'image_sise'", "did you mean 'image_size'?"],
+    ),
+    "sft_unknown_env": (
+        lambda tmp, model: [
+            "sft",
+            VLA,
+            "env.task=reahc",
+            f"sft.base_model={model}",
+            f"model.path={tmp / 'run'}",
+        ],
+        ["env.task='reahc'", "did you mean 'reach'?"],
+    ),
+    "unknown_game": (
+        lambda tmp, model: _prompt_run(tmp, model, "agent.game.task=gridnow", config=GAME),
+        ["agent.game.task='gridnow'", "did you mean 'gridnav'?"],
+    ),
+    "game_without_moves": (
+        lambda tmp, model: _prompt_run(tmp, model, "agent.game.task=reach", config=GAME),
+        ["agent.game.task='reach' names no moves", "gridnav"],
+    ),
+    "unknown_builtin_tool": (
+        lambda tmp, model: _prompt_run(tmp, model, "agent.tools=[{function: image_zom}]", config=AGENT),
+        ["agent.tools[0].function='image_zom'", "did you mean 'image_zoom'?"],
+    ),
+    "tool_without_parameters": (
+        lambda tmp, model: _prompt_run(
+            tmp, model, f"agent.tools=[{{function: {_tool_file(tmp)}}}]", config=AGENT
+        ),
+        ["agent.tools[0]", "has no `parameters`", "JSON schema"],
+    ),
+    "empty_parquet": (
+        lambda tmp, model: _prompt_run(tmp, model, f"data.train_files={_parquet(tmp, b'')}"),
+        ["data.train_files", "train.parquet is empty (0 bytes)"],
+    ),
+    "garbage_parquet": (
+        lambda tmp, model: _prompt_run(tmp, model, f"data.train_files={_parquet(tmp, b'not parquet' * 9)}"),
+        ["data.train_files", "train.parquet is not a parquet file"],
+    ),
+    "read_only_output": (
+        lambda tmp, model: _prompt_run(tmp, model, f"trainer.output_dir={_read_only(tmp)}"),
+        ["trainer.output_dir=", "nothing can be written in", "give a folder you can write in"],
+    ),
+    "output_under_a_file": (
+        lambda tmp, model: _prompt_run(tmp, model, f"trainer.output_dir={_parquet(tmp, b'x')}/run"),
+        ["trainer.output_dir=", "train.parquet is a file"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_setup_mistake_is_one_line_and_exit_2_before_any_work(
+    case, tmp_path, capsys, tiny_model_dir
+) -> None:
+    build, expected = CASES[case]
+    argv = build(tmp_path, tiny_model_dir)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error:")
+    line = _one_line(err)
+    for part in expected:
+        assert part in line, f"{part!r} not in {line!r}"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def two_cpu_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray looks joined to a cluster of one node with two CPUs; no Ray process starts (nor auto-starts)."""
+    import ray
+    from ray._private import auto_init_hook
+
+    node = {"Alive": True, "NodeManagerAddress": "10.0.0.7", "Resources": {"CPU": 2.0}}
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: [node])
+    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", False)
+
+
+@pytest.mark.parametrize(
+    "overrides, asked",
+    [
+        (["env.num_workers=64"], "env.num_workers=64 (64)"),
+        (
+            ["rollout.max_staleness=1", "actor.rollout_correction=tis", "rollout.worker_cpus=8"],
+            "rollout.worker_cpus=8",
+        ),
+    ],
+    ids=["env_workers", "rollout_worker_cpus"],
+)
+def test_a_request_the_cluster_can_never_hold_fails_at_start(
+    overrides, asked, tmp_path, capsys, tiny_model_dir, two_cpu_cluster
+) -> None:
+    if overrides[0].startswith("env."):
+        argv = _vla_run(tmp_path, tiny_model_dir, "data.train_batch_size=8", *overrides)
+    else:
+        argv = _prompt_run(tmp_path, tiny_model_dir, *overrides)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = _one_line(err)
+    assert asked in line and "2 CPU(s)" in line, line
+    assert not (tmp_path / "run").exists()
