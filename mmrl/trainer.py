@@ -35,6 +35,7 @@ from mmrl.run.timing import PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
 from mmrl.training.critic import critic_plan, update_critic
+from mmrl.training.prm import train_and_score
 from mmrl.workers.placement import Policy, place_policy
 
 log = logging.getLogger("mmrl.trainer")
@@ -89,6 +90,7 @@ class Trainer:
         )
         self.engine = self.policy.engine
         self.critic = self.policy.critic
+        self.prm = self.policy.prm
         self.logger = MetricsLogger(
             self.run_dir,
             cfg.trainer.loggers,
@@ -242,6 +244,9 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):
                 batch.set(values=self.critic.values(batch))
+        if self.prm is not None:  # PRIME: the PRM learns this step's outcomes, then rewards every token
+            with timer("prm"):
+                metrics.update(train_and_score(self.prm, self.cfg, batch))
         with timer("advantage"):
             advantages, returns = self.source.advantages(batch, metrics, ctx)
             batch.set(advantages=advantages, returns=returns)

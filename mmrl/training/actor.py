@@ -10,6 +10,7 @@ import torch
 
 from mmrl.algorithms import (
     agg_loss,
+    get_advantage_estimator,
     get_policy_filter,
     get_policy_loss,
     get_rollout_correction,
@@ -208,8 +209,10 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
 
 
 def needs_reference(cfg: Config) -> bool:
-    """A frozen KL reference is loaded only when a KL loss or KL reward uses it."""
-    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+    """A frozen reference is loaded only when a KL loss or KL reward uses it, or an implicit PRM's rewards
+    are measured against it (PRIME)."""
+    kl = (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+    return kl or needs_of(get_advantage_estimator(cfg.algorithm.adv_estimator)).prm
 
 
 def update_plan(cfg: Config) -> UpdatePlan:
