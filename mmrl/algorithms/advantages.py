@@ -168,7 +168,9 @@ def prime(
     also whitens). A group of one has no baseline and gets 0 from both parts.
     """
     if process_rewards is None:
-        raise ValueError("prime needs process_rewards=<Tensor[B, T], the implicit PRM's reward of each token>")
+        raise ValueError(
+            "prime needs process_rewards=<Tensor[B, T], the implicit PRM's reward of each token>"
+        )
     if process_rewards.shape != token_rewards.shape:
         raise ValueError(
             f"process_rewards must have shape {tuple(token_rewards.shape)}, got {tuple(process_rewards.shape)}"

@@ -287,7 +287,9 @@ def check_prm(algorithm: AlgorithmConfig, env: EnvConfig | None, agent: AgentCon
         return
     name = algorithm.adv_estimator
     if env is not None or agent is not None:
-        section = "an env section (VLA episodes)" if env is not None else "an agent section (multi-turn rollouts)"
+        section = (
+            "an env section (VLA episodes)" if env is not None else "an agent section (multi-turn rollouts)"
+        )
         raise ValueError(
             f"algorithm.adv_estimator={name} rewards the tokens of single-turn responses with its implicit PRM, "
             f"and {section} has none: use grpo or rloo there"

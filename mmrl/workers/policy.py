@@ -34,8 +34,8 @@ from mmrl.training.micro_batches import Layout
 from mmrl.training.optim import MiniBatch, UpdateStats, apply_settings
 from mmrl.training.prm import needs_prm
 from mmrl.training.setup import add_adapters, load_trainable, reference_logprobs
-from mmrl.workers.second_models import load_second, save_second, sharded_critic, sharded_prm
 from mmrl.workers.fsdp import full_state_dict, init_process_group, load_sharded, save_sharded, shard_policy
+from mmrl.workers.second_models import load_second, save_second, sharded_critic, sharded_prm
 
 
 def free_port() -> int:
