@@ -168,7 +168,9 @@ def test_prime_refusals_name_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"prime rewards the tokens of single-turn.*env section.*use grpo"):
         tiny_vla_config(Path("model"), Path("run"), "algorithm.adv_estimator=prime")
     agent = CONFIGS / "quickstart_agent.yaml"
-    with pytest.raises(ConfigError, match=r"prime rewards the tokens of single-turn.*agent section.*use grpo"):
+    with pytest.raises(
+        ConfigError, match=r"prime rewards the tokens of single-turn.*agent section.*use grpo"
+    ):
         load_config(agent, ["algorithm.adv_estimator=prime"])
 
 

@@ -21,15 +21,7 @@ from mmrl.errors import ConfigError
 from mmrl.training.actor import optimizer_steps, responses_per_prompt
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
-from mmrl.training.optim import (
-    MiniBatch,
-    UpdateStats,
-    apply_settings,
-    make_optimizer,
-    minibatch_updates,
-    per_minibatch,
-    plan_minibatches,
-)
+from mmrl.training.optim import MiniBatch, TrainedModel, per_minibatch, plan_minibatches
 from mmrl.training.setup import load_trainable
 
 
@@ -44,8 +36,11 @@ def prm_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:
     return plan_minibatches(batch, rows_per_step, 1, cfg.rollout.max_new_tokens)
 
 
-class ImplicitPRM:
-    """Owns π_φ and its optimizer: `update` on outcome labels, then `rewards` for the advantages."""
+class ImplicitPRM(TrainedModel):
+    """Owns π_φ and its optimizer: `update` on outcome labels (the cross-entropy of σ(r_φ(y)) against
+    each response's outcome reward, `scores`), then `rewards` for the advantages."""
+
+    prefix = "prm"
 
     def __init__(
         self,
@@ -59,17 +54,12 @@ class ImplicitPRM:
         max_tokens: int | None = None,
         padding_free: bool = False,
     ) -> None:
-        self.model = model
-        self.cfg = cfg
+        super().__init__(model, cfg, total_updates, micro_batch_size, max_tokens)
+        self.cfg: PRMConfig = cfg
         self.pad_id = pad_id
         self.temperature = temperature
-        self.micro_batch_size = micro_batch_size
-        self.max_tokens = max_tokens  # actor.max_tokens_per_micro_batch: micro-batches as the actor's
         self.compute_dtype = compute_dtype
         self.padding_free = padding_free
-        self.optimizer, self.scheduler = make_optimizer(
-            [p for p in model.parameters() if p.requires_grad], cfg, total_updates
-        )
 
     def _logprobs(self, micro: Batch) -> torch.Tensor:
         return forward_logprobs(
@@ -93,36 +83,6 @@ class ImplicitPRM:
         return implicit_process_rewards(
             logp, batch["ref_logprobs"], batch["response_mask"], beta=self.cfg.beta
         )
-
-    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
-        """Cross-entropy of σ(r_φ(y)) against each response's outcome reward (`scores`), one step per
-        planned mini-batch."""
-        return minibatch_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            plan,
-            micro_batch_size=self.micro_batch_size,
-            max_grad_norm=self.cfg.max_grad_norm,
-            micro_step=self._micro_step,
-            prefix="prm",
-            max_tokens=self.max_tokens,
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """Weights and optimizer together: a resumed PRM must continue, not restart."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_settings(self.optimizer, self.scheduler, self.cfg)
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
         logp = self._logprobs(micro)
