@@ -190,8 +190,9 @@ def per_minibatch(stats: dict[str, float], rows: int, totals: dict[str, float]) 
 
 class TrainedModel:
     """A model trained with an AdamW and schedule of its own, in planned mini-batches: the actor, and
-    beside it the GAE critic and PRIME's PRM. A subclass gives `prefix` (its metrics' name) and
-    `_micro_step`, which backpropagates one micro-batch's loss and returns its metrics."""
+    beside it the GAE critic and PRIME's PRM. A subclass gives `prefix` (its metrics' name, and a second
+    model's folder in a sharded checkpoint) and `_micro_step`, which backpropagates one micro-batch's
+    loss and returns its metrics."""
 
     prefix: str
 

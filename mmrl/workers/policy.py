@@ -4,8 +4,8 @@ Each rank holds an FSDP2 shard of the policy (all weights, or a frozen base with
 adapters), its shard of the AdamW state, and, when a KL term needs one, the frozen reference:
 a sharded copy under full fine-tuning, the same weights with the adapter switched off under
 LoRA. Under GAE it also holds its shard of the critic, under PRIME its shard of the implicit PRM
-(`mmrl.workers.second_models`). Generation uses
-the HF engine on the sharded weights, so there is nothing to sync.
+(`mmrl.workers.second_models`). Generation uses the HF engine on the sharded weights, so there is
+nothing to sync.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mmrl.training.actor import build_actor, needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.lora import merged_state
 from mmrl.training.micro_batches import Layout
-from mmrl.training.optim import MiniBatch, UpdateStats, apply_settings
+from mmrl.training.optim import MiniBatch, TrainedModel, UpdateStats, apply_settings
 from mmrl.training.prm import needs_prm
 from mmrl.training.setup import add_adapters, load_trainable, reference_logprobs
 from mmrl.workers.fsdp import full_state_dict, init_process_group, load_sharded, save_sharded, shard_policy
@@ -164,8 +164,8 @@ class PolicyWorker:
         The critic, if any, goes into `folder/critic` and the PRM into `folder/prm`
         (`mmrl.workers.second_models.save_second`)."""
         save_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
-        for name, trained in self._second_models():
-            save_second(trained, folder / name, self.rank)
+        for trained in self._second_models():
+            save_second(trained, folder / trained.prefix, self.rank)
         adapter = self.state() if self.peft is not None else None  # a collective: every rank gathers
         if self.rank == 0:
             if adapter is not None:  # also in peft's format, so plain transformers (and `mmrl eval`) load it
@@ -186,12 +186,12 @@ class PolicyWorker:
         load_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
         self.actor.scheduler.load_state_dict(load_state_file(folder / "model" / "scheduler.pt"))
         apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)  # a resume may change lr
-        for name, trained in self._second_models():
-            load_second(trained, folder / name, getattr(self.cfg, name))
+        for trained in self._second_models():
+            load_second(trained, folder / trained.prefix)
 
-    def _second_models(self) -> list[tuple[str, Any]]:
-        """The critic and the PRM this rank holds, each under its checkpoint folder's (and config section's) name."""
-        return [(name, m) for name, m in (("critic", self.critic), ("prm", self.prm)) if m is not None]
+    def _second_models(self) -> list[TrainedModel]:
+        """The critic and the PRM, those this rank holds; each is saved under its `prefix`."""
+        return [m for m in (self.critic, self.prm) if m is not None]
 
     @property
     def _options(self) -> StateDictOptions:

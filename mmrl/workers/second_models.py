@@ -11,7 +11,6 @@ folder of its own in the checkpoint (`critic/`, `prm/`): its shards, AdamW state
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -19,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from mmrl.config import Config
 from mmrl.run.checkpoint import load_state_file
 from mmrl.training.critic import Critic, build_critic, value_model
-from mmrl.training.optim import OptimSettings, apply_settings
+from mmrl.training.optim import TrainedModel, apply_settings
 from mmrl.training.prm import ImplicitPRM, build_prm, prm_model
 from mmrl.workers.fsdp import load_sharded, save_sharded, shard_model, shard_policy
 
@@ -43,7 +42,7 @@ def sharded_prm(cfg: Config, device: torch.device, pad_id: int, compute_dtype: t
     return build_prm(cfg, model, pad_id, compute_dtype)
 
 
-def save_second(trained: Any, folder: Path, rank: int) -> None:
+def save_second(trained: TrainedModel, folder: Path, rank: int) -> None:
     """This rank's shards of a critic or PRM and its AdamW state into `folder`; rank 0 adds the
     learning-rate schedule (the same on every rank)."""
     save_sharded(trained.model, trained.optimizer, folder / "dcp", OPTIONS)
@@ -51,8 +50,8 @@ def save_second(trained: Any, folder: Path, rank: int) -> None:
         torch.save(trained.scheduler.state_dict(), folder / "scheduler.pt")
 
 
-def load_second(trained: Any, folder: Path, settings: OptimSettings) -> None:
-    """What `save_second` wrote; `settings` (its config section) wins over the saved learning rate."""
+def load_second(trained: TrainedModel, folder: Path) -> None:
+    """What `save_second` wrote; the config's learning rate wins over the saved one."""
     load_sharded(trained.model, trained.optimizer, folder / "dcp", OPTIONS)
     trained.scheduler.load_state_dict(load_state_file(folder / "scheduler.pt"))
-    apply_settings(trained.optimizer, trained.scheduler, settings)  # a resume may change lr
+    apply_settings(trained.optimizer, trained.scheduler, trained.cfg)  # a resume may change lr
