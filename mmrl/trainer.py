@@ -312,8 +312,8 @@ class Trainer:
 
         A skipped update touches no weights, optimizer moments or schedule (see `minibatch_updates`),
         so that state is today's model and optimizer with `before` (loader, RNG, counters) from the
-        streak's start: a resumed run replays the same data exactly. A critic's own finite updates
-        during the streak are kept. Steps that update nothing (empty batch, critic warm-up) are neutral."""
+        streak's start: a resumed run replays the same data exactly. A critic's or PRM's own finite
+        updates during the streak are kept. Steps that update nothing (empty batch, critic warm-up) are neutral."""
         updates = metrics.get("actor/updates", 0)
         if not updates:
             return
