@@ -48,7 +48,8 @@ def implicit_prm_loss(
     same formula). `prm_logprobs` [B, T] carries the gradient; `ref_logprobs` [B, T], `labels` [B].
     A row without response tokens (a worker's padding row) carries no loss. Under gradient accumulation
     pass the mini-batch's row count as `num_seqs` (default: this call's rows with tokens); other totals
-    are ignored. Metric ``accuracy``: the share of rows whose p falls on their label's side of ½.
+    are ignored. Metric ``accuracy``: the share of rows whose p falls on their label's side of ½ (p = ½,
+    as at the start, predicts 0).
     """
     real = response_mask.bool().any(dim=-1)
     scores = beta * masked_sum(prm_logprobs - ref_logprobs, response_mask, dim=-1)
