@@ -11,8 +11,8 @@ threshold keeps its margin from.
     python bench/learning_spread.py --runs grpo dapo --seeds 1 2 3 --threads 1 2 --isa native avx2 --out /tmp/spread.json
 
 The algorithms without a learning test of their own (`VARIANTS`: CISPO, SAPO, GMPO, GPG, OPO, KL-Cov,
-Clip-Cov, PF-PPO, SPPO) run as the `grpo` run with their keys on top, VAPO as the `ppo` run with its
-keys, for the spread table of each:
+Clip-Cov, PF-PPO, SPPO, PRIME) run as the `grpo` run with their keys on top, VAPO as the `ppo` run with
+its keys, for the spread table of each:
 
     python bench/learning_spread.py --runs grpo cispo sapo gmpo --seeds 1 2 3 --isa native
 """
@@ -60,6 +60,19 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
             "algorithm.critic_lam=1.0",
             "algorithm.length_adaptive_alpha=0.5",
             "actor.positive_lm_coef=0.1",
+            "reward.functions=[{name: answer_match, weight: 1.0}]",
+        ),
+    ),
+    # configs/quickstart_prime.yaml's keys on the `grpo` run (its implicit PRM and its outcome labels)
+    "prime": (
+        "grpo",
+        (
+            "algorithm.adv_estimator=prime",
+            "prm.lr=1e-3",
+            "prm.beta=0.05",
+            "prm.warmup_steps=5",
+            "prm.lr_schedule=cosine",
+            "prm.min_lr_ratio=0.1",
             "reward.functions=[{name: answer_match, weight: 1.0}]",
         ),
     ),

@@ -35,6 +35,7 @@ from mmrl.run.timing import PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
 from mmrl.training.critic import critic_plan, update_critic
+from mmrl.training.prm import train_and_score
 from mmrl.workers.placement import Policy, place_policy
 
 log = logging.getLogger("mmrl.trainer")
@@ -89,6 +90,7 @@ class Trainer:
         )
         self.engine = self.policy.engine
         self.critic = self.policy.critic
+        self.prm = self.policy.prm
         self.logger = MetricsLogger(
             self.run_dir,
             cfg.trainer.loggers,
@@ -242,6 +244,9 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):
                 batch.set(values=self.critic.values(batch))
+        if self.prm is not None:  # PRIME: the PRM learns this step's outcomes, then rewards every token
+            with timer("prm"):
+                metrics.update(train_and_score(self.prm, self.cfg, batch))
         with timer("advantage"):
             advantages, returns = self.source.advantages(batch, metrics, ctx)
             batch.set(advantages=advantages, returns=returns)
@@ -307,8 +312,8 @@ class Trainer:
 
         A skipped update touches no weights, optimizer moments or schedule (see `minibatch_updates`),
         so that state is today's model and optimizer with `before` (loader, RNG, counters) from the
-        streak's start: a resumed run replays the same data exactly. A critic's own finite updates
-        during the streak are kept. Steps that update nothing (empty batch, critic warm-up) are neutral."""
+        streak's start: a resumed run replays the same data exactly. A critic's or PRM's own finite
+        updates during the streak are kept. Steps that update nothing (empty batch, critic warm-up) are neutral."""
         updates = metrics.get("actor/updates", 0)
         if not updates:
             return

@@ -107,10 +107,12 @@ RECORDED_S: dict[str, float] = {
     "faults/test_resources.py": 70,
     "faults/test_crash_resume.py": 45,
     "test_a_killed_worker_stops_the_run": 45,
+    "test_two_workers_prm_update_rewards_and_resume_like_one_process": 60,
     "test_sharded_checkpoint_exports_whole_and_resumes_exactly": 40,
     "test_the_qwen3_math_recipe_runs_two_steps_on_cpu": 40,
     "test_fsdp_trainer_workers_feed_a_rollout_worker": 35,
     "test_trainer_places_lora_workers_on_both_nodes": 35,
+    "test_prime_recipe_trains_its_prm_and_a_resume_restores_it_exactly": 15,
 }
 SHORT_S = 30.0  # a test without a record: over twice this, it fails too
 # A machine slower than the one the records were measured on scales them (2: twice as slow).

@@ -152,6 +152,7 @@ def test_every_estimator_masks_padding_and_takes_common_kwargs(name: str) -> Non
         **COMMON_KWARGS,
         "baseline_scores": torch.linspace(0, 1, 7),
         "values": 0.1 * REWARDS.cos(),
+        "process_rewards": 0.1 * REWARDS.sin(),
         "episode_index": torch.arange(7),
         "anchor_index": torch.zeros(7, dtype=torch.long),
     }

@@ -1,7 +1,8 @@
 """Ray worker groups with FSDP2 on a real local Ray cluster and real gloo process groups.
 
 Parity: one update of the same global batch gives the same weights in one process and in two
-FSDP workers, for full fine-tuning and for LoRA, and so do the GAE critic's values and update. The
+FSDP workers, for full fine-tuning and for LoRA, and so do the GAE critic's values and update and
+PRIME's implicit PRM's update and rewards. The
 workers also generate, score log-probs and checkpoint; the trainer runs through them end to end on a
 fake two-node cluster.
 """
@@ -32,6 +33,7 @@ from mmrl.training.actor import build_actor, update_plan
 from mmrl.training.critic import build_critic, critic_plan, value_model
 from mmrl.training.lora import apply_lora, gather_shards, load_with_adapter
 from mmrl.training.micro_batches import deal, pack_rows, row_lengths
+from mmrl.training.prm import build_prm, prm_model, prm_plan
 from mmrl.workers.group import PolicyGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -238,6 +240,59 @@ def test_two_workers_critic_values_update_and_resume_like_one_process(
     worst = max(worst, *(float((saved[k] - v).abs().max()) for k, v in critic.model.state_dict().items()))
     assert worst < 1e-5, f"2 FSDP workers' critic differs from 1 process by {worst:.2e}"
 
+    assert all(torch.equal(again[k], continued[k]) for k in continued)
+
+
+def test_two_workers_prm_update_rewards_and_resume_like_one_process(
+    local_ray, tmp_path, tiny_model_dir
+) -> None:
+    """PRIME on workers: the implicit PRM's FSDP2 shards live on the policy's ranks. Its process rewards
+    before and after an update of two optimizer steps on outcome labels equal one process's, and so do
+    its weights and loss; a checkpoint restores weights, AdamW moments and schedule, so the next update
+    is the same."""
+    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path / "data",
+        "algorithm.adv_estimator=prime",
+        "prm.lr=1e-3",
+        "prm.max_grad_norm=0.05",  # clipping on: the global norm must be the one-process norm
+    )
+    batch = _scored_batch(cfg)
+    batch.set(scores=(torch.arange(len(batch)) % 2).float())  # outcome labels 0 and 1 in every mini-batch
+    torch.manual_seed(1)
+    first, second = prm_plan(cfg, batch), prm_plan(cfg, batch)
+    assert len(first) == 2
+
+    model = prm_model(cfg, cfg.model.path)
+    prm = build_prm(cfg, model, load_processor(cfg.model.path).tokenizer.pad_token_id, torch.float32)
+    expected_before = prm.rewards(batch)
+    expected_stats = prm.update(batch, first)
+    expected_after = prm.rewards(batch)
+
+    folder = tmp_path / "ckpt"
+    group = PolicyGroup(cfg)
+    try:
+        before = group.prm.rewards(batch)
+        stats = group.prm.update(batch, first)
+        after = group.prm.rewards(batch)
+        group.save(folder)
+        saved = group.prm.state()
+        group.prm.update(batch, second)
+        continued = group.prm.state()
+        group.load(folder)  # the same workers load it from disk, the path a resumed run takes
+        assert all(torch.equal(v, saved[k]) for k, v in group.prm.state().items())
+        group.prm.update(batch, second)
+        again = group.prm.state()
+    finally:
+        group.shutdown()
+
+    assert stats.steps == 2 and stats.skipped_steps == 0
+    assert float((expected_after - expected_before).abs().max()) > 1e-3, "the update should move the rewards"
+    worst = max(float((before - expected_before).abs().max()), float((after - expected_after).abs().max()))
+    worst = max(worst, *(float((saved[k] - v).abs().max()) for k, v in model.state_dict().items()))
+    assert worst < 1e-5, f"2 FSDP workers' PRM differs from 1 process by {worst:.2e}"
+    assert abs(stats.metrics["prm/loss"] - expected_stats.metrics["prm/loss"]) < 1e-5
     assert all(torch.equal(again[k], continued[k]) for k in continued)
 
 

@@ -15,6 +15,7 @@ from mmrl.algorithms.advantages import (
     gpg,
     grpo,
     opo,
+    prime,
     register_advantage_estimator,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
@@ -33,6 +34,7 @@ from mmrl.algorithms.filtering import (
     informative_groups,
     register_policy_filter,
 )
+from mmrl.algorithms.implicit_prm import implicit_prm_loss, implicit_process_rewards
 from mmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from mmrl.algorithms.kl_control import (
     AdaptiveKLController,
@@ -100,6 +102,8 @@ __all__ = [
     "gpg_loss",
     "grpo",
     "gspo",
+    "implicit_prm_loss",
+    "implicit_process_rewards",
     "informative_groups",
     "kl_cov",
     "kl_penalty",
@@ -114,6 +118,7 @@ __all__ = [
     "overlong_penalty",
     "positive_example_nll",
     "ppo_clip",
+    "prime",
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_policy_filter",

@@ -138,6 +138,68 @@ def rloo(
     return _broadcast(leave_one_out, response_mask), _broadcast(scores, response_mask)
 
 
+@register_advantage_estimator("prime", needs=Needs(groups=True, prm=True))
+@torch.no_grad()
+def prime(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor,
+    *,
+    process_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    outcome_coef: float = 1.0,
+    process_coef: float = 1.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """PRIME (Cui et al. 2025, "Process Reinforcement through Implicit Rewards", arXiv 2502.01456, §3.2,
+    Eq. 5 and 6): RLOO on the outcome reward and on the implicit process rewards r_φ(y_t) of the PRM
+    (`mmrl.algorithms.implicit_process_rewards`), each with its own leave-one-out baseline, the process
+    part as a return:
+
+        A^i_t = c_p · Σ_{s=t}^{|y^i|} γ^{s−t} · [ r_φ(y^i_s) − 1/(K−1) Σ_{j≠i} r_φ(y^j)/|y^j| ]
+              + c_o · [ r_o(y^i) − 1/(K−1) Σ_{j≠i} r_o(y^j) ],
+
+    K the responses to the prompt. The process baseline is the other responses' mean reward per token
+    (r_φ(y^j) = Σ_t r_φ(y^j_t) over its |y^j| tokens), so a long response is not compared with a short
+    one's sum; the outcome advantage is RLOO's (`rloo`) on every token. c_o, c_p are
+    ``algorithm.prime_outcome_coef`` and ``prime_process_coef`` (the paper sums the two: 1 and 1).
+    ``process_rewards`` [B, T] are the PRM's rewards; ``returns`` is what the rewards alone make a token
+    worth: c_o·r_o(y^i) + c_p·Σ_{s≥t} γ^{s−t} r_φ(y^i_s). No whitening (the paper's Eq. 6; verl's recipe
+    also whitens). A group of one has no baseline and gets 0 from both parts.
+    """
+    if process_rewards is None:
+        raise ValueError(
+            "prime needs process_rewards=<Tensor[B, T], the implicit PRM's reward of each token>"
+        )
+    if process_rewards.shape != token_rewards.shape:
+        raise ValueError(
+            f"process_rewards must have shape {tuple(token_rewards.shape)}, got {tuple(process_rewards.shape)}"
+        )
+    mask = response_mask.bool()
+    outcome, scores = rloo(token_rewards, response_mask, group_index)
+    process = torch.where(mask, process_rewards.float(), 0.0)
+    per_token = process.sum(-1) / mask.sum(-1).clamp(min=1)
+    ids = torch.unique(group_index, return_inverse=True)[1]
+    size = _group_sum(torch.ones_like(per_token), ids)
+    baseline = (_group_sum(per_token, ids) - per_token) / (size - 1).clamp(min=1)
+    alone = (size == 1)[:, None]
+    centred = torch.where(mask & ~alone, process - baseline[:, None], 0.0)
+    process_adv = _returns_to_go(centred, mask, gamma)
+    returns = outcome_coef * scores + process_coef * _returns_to_go(process, mask, gamma)
+    return outcome_coef * outcome + process_coef * process_adv, returns
+
+
+def _returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + γ·G_{t+1} over each row's valid tokens (masked ones skipped, not discounted through);
+    0 on padding."""
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(mask[:, t], running, 0.0)
+    return returns
+
+
 @register_advantage_estimator("gpg", needs=GROUPS)
 @torch.no_grad()
 def gpg(
@@ -228,12 +290,7 @@ def reinforce_plus_plus(
     Masked tokens are skipped, not discounted through: G carries over them unchanged.
     """
     mask = response_mask.bool()
-    rewards = torch.where(mask, token_rewards.float(), 0.0)
-    returns = torch.zeros_like(rewards)
-    running = rewards.new_zeros(rewards.shape[0])
-    for t in reversed(range(rewards.shape[1])):
-        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
-        returns[:, t] = torch.where(mask[:, t], running, 0.0)
+    returns = _returns_to_go(torch.where(mask, token_rewards.float(), 0.0), mask, gamma)
     return masked_whiten(returns, mask, eps), returns
 
 

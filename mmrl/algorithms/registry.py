@@ -27,12 +27,16 @@ class Needs:
     - ``rows_per_group``: a response filter keeps at most this many of each group.
     - ``critic``: it needs a learned value of every response token (``values=``), so the run trains a
       critic (`mmrl.training.critic`).
+    - ``prm``: it needs each token's implicit process reward (``process_rewards=``) from a second
+      language model trained online on outcome labels (PRIME's implicit PRM, `mmrl.training.prm`), and
+      the frozen reference that reward is measured against.
     """
 
     groups: bool = False
     exact_on_policy: bool = False
     rows_per_group: int | None = None
     critic: bool = False
+    prm: bool = False
 
 
 def needs_of(fn: Callable[..., Any]) -> Needs:

@@ -26,6 +26,7 @@ from mmrl.config.training import (
     KLControlConfig,
     KLEstimatorName,
     LossAggMode,
+    PRMConfig,
     WarmupConfig,
 )
 from mmrl.config.vla import EnvConfig, SftConfig
@@ -44,6 +45,7 @@ __all__ = [
     "LoraConfig",
     "LossAggMode",
     "ModelConfig",
+    "PRMConfig",
     "RewardConfig",
     "RewardFunctionConfig",
     "RolloutConfig",

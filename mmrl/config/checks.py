@@ -278,3 +278,24 @@ def check_critic_options(algorithm: AlgorithmConfig) -> None:
             f"algorithm.adv_estimator={algorithm.adv_estimator} has none: use algorithm.adv_estimator=gae "
             f"or leave {' and '.join(named)} unset"
         )
+
+
+def check_prm(algorithm: AlgorithmConfig, env: EnvConfig | None, agent: AgentConfig | None) -> None:
+    """PRIME's implicit PRM scores the responses to prompts, whose advantages the prompt source computes;
+    its two weights must leave something to learn from."""
+    if not _needs("ADVANTAGE_ESTIMATORS", algorithm.adv_estimator).prm:
+        return
+    name = algorithm.adv_estimator
+    if env is not None or agent is not None:
+        section = (
+            "an env section (VLA episodes)" if env is not None else "an agent section (multi-turn rollouts)"
+        )
+        raise ValueError(
+            f"algorithm.adv_estimator={name} rewards the tokens of single-turn responses with its implicit PRM, "
+            f"and {section} has none: use grpo or rloo there"
+        )
+    if algorithm.prime_outcome_coef == 0 and algorithm.prime_process_coef == 0:
+        raise ValueError(
+            f"algorithm.adv_estimator={name} with algorithm.prime_outcome_coef=0 and "
+            "algorithm.prime_process_coef=0 gives every token advantage 0: set one of them above 0 (the paper: 1 and 1)"
+        )

@@ -14,7 +14,7 @@ from mmrl.config.model import ModelConfig
 from mmrl.config.reward import RewardConfig
 from mmrl.config.rollout import RolloutConfig
 from mmrl.config.trainer import TrainerConfig
-from mmrl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, WarmupConfig
+from mmrl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, PRMConfig, WarmupConfig
 from mmrl.config.vla import EnvConfig, SftConfig
 
 
@@ -25,6 +25,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig = CriticConfig()
+    prm: PRMConfig = PRMConfig()
     reward: RewardConfig = RewardConfig()
     warmup: WarmupConfig = WarmupConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -53,6 +54,7 @@ class Config(Section):
         checks.check_staleness(self.rollout, self.env, self.actor)
         checks.check_group_size(self.algorithm, self.rollout)
         checks.check_critic_options(self.algorithm)
+        checks.check_prm(self.algorithm, self.env, self.agent)
         checks.check_policy_filtration(self.algorithm, self.rollout)
         checks.check_exact_on_policy(self.algorithm, self.actor, self.data, self.rollout)
         return self

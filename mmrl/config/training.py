@@ -74,6 +74,14 @@ class AlgorithmConfig(Section):
     sppo_eta: float = Field(
         1.0, gt=0, description="SPPO's η: adv_estimator=sppo's target for the log-ratio is η(P̂ − ½)"
     )
+    prime_outcome_coef: float = Field(
+        1.0, ge=0, description="PRIME: the weight of the outcome reward's RLOO advantage (the paper: 1)"
+    )
+    prime_process_coef: float = Field(
+        1.0,
+        ge=0,
+        description="PRIME: the weight of the implicit process rewards' RLOO return (the paper: 1)",
+    )
 
     def estimator_options(self) -> dict[str, Any]:
         """The keyword arguments every advantage estimator is called with; each takes what it uses."""
@@ -84,6 +92,8 @@ class AlgorithmConfig(Section):
             "critic_lam": self.critic_lam,
             "length_adaptive_alpha": self.length_adaptive_alpha,
             "eta": self.sppo_eta,
+            "outcome_coef": self.prime_outcome_coef,
+            "process_coef": self.prime_process_coef,
         }
 
 
@@ -219,6 +229,23 @@ class CriticConfig(OptimSection):
         ge=0,
         description="Critic warm-up (VAPO's value pretraining): the first N steps train only the critic "
         "on responses of the fixed starting policy, the actor waits",
+    )
+
+
+class PRMConfig(OptimSection):
+    """PRIME's implicit process reward model (`algorithm.adv_estimator=prime`; Cui et al. 2025, arXiv
+    2502.01456): a copy of the policy's language model, π_φ, whose token log-ratio to the frozen
+    reference, β·log π_φ/π_ref, is each token's process reward. Every step it first takes one pass of
+    cross-entropy updates on the step's responses labelled by their outcome reward (in [0, 1]), on the
+    actor's mini-batches, and then scores them (the paper's "double forward"), so the advantages use
+    the PRM that has seen this step's outcomes."""
+
+    model_path: str | None = Field(
+        None, description="Where π_φ starts; default: the policy's start (after any format warm-up)"
+    )
+    lr: float = Field(1e-6, gt=0, description="The PRM's learning rate (the paper: 1e-6)")
+    beta: float = Field(
+        0.05, gt=0, description="β of the implicit reward β·log π_φ/π_ref, in its loss too (the paper: 0.05)"
     )
 
 

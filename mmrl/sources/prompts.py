@@ -215,7 +215,8 @@ class PromptSource(RolloutSource):
         self, batch: Batch, metrics: dict[str, Any], ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token rewards (the score on the final token, minus β·KL if charged) to advantages and
-        returns (the critic's regression targets under GAE)."""
+        returns (the critic's regression targets under GAE); PRIME's estimator also takes the PRM's
+        `process_rewards`."""
         mask = batch["response_mask"].float()
         scores = batch["scores"]
         last = last_token(mask)
@@ -229,7 +230,7 @@ class PromptSource(RolloutSource):
             token_rewards = token_rewards + kl_reward
             metrics.update({"kl_reward/kl": kl, "kl_reward/coef": self.kl_ctrl.value})
             self.kl_ctrl.update(kl, n_steps=len(scores))
-        extra: dict[str, Any] = {"values": batch["values"]} if "values" in batch else {}
+        extra: dict[str, Any] = {key: batch[key] for key in ("values", "process_rewards") if key in batch}
         if algo.adv_estimator == "remax":  # ReMax: the greedy response's reward is the baseline
             with ctx.guard("ReMax baseline rollout"):
                 greedy = ctx.engine.generate(

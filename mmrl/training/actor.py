@@ -10,6 +10,7 @@ import torch
 
 from mmrl.algorithms import (
     agg_loss,
+    get_advantage_estimator,
     get_policy_filter,
     get_policy_loss,
     get_rollout_correction,
@@ -24,20 +25,16 @@ from mmrl.errors import ConfigError
 from mmrl.models import family_of
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
-from mmrl.training.optim import (
-    MiniBatch,
-    UpdatePlan,
-    UpdateStats,
-    make_optimizer,
-    minibatch_updates,
-    per_minibatch,
-)
+from mmrl.training.optim import TrainedModel, UpdatePlan, per_minibatch
 
 log = logging.getLogger("mmrl.training.actor")
 
 
-class Actor:
-    """Owns the policy's optimizer and runs the PPO-style update over a batch of rollouts."""
+class Actor(TrainedModel):
+    """Owns the policy's optimizer and runs the PPO-style update over a batch of rollouts: one optimizer
+    step per planned mini-batch (`update`)."""
+
+    prefix = "actor"
 
     def __init__(
         self,
@@ -49,14 +46,12 @@ class Actor:
         total_updates: int,
         compute_dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.model = model
-        self.cfg = cfg
+        super().__init__(model, cfg, total_updates, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        self.cfg: ActorConfig = cfg
         self.pad_id = pad_id
         self.temperature = temperature
         self.response_len = response_len
         self.compute_dtype = compute_dtype
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(params, cfg, total_updates)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.rollout_correction = (
             get_rollout_correction(cfg.rollout_correction) if cfg.rollout_correction else None
@@ -79,21 +74,6 @@ class Actor:
                 padding_free=self.cfg.padding_free,
             )[0],
             layout if layout is not None else micro_layout(batch, self.cfg.max_tokens_per_micro_batch),
-        )
-
-    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
-        """One optimizer step per planned mini-batch (see `plan`)."""
-        return minibatch_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            plan,
-            micro_batch_size=self.cfg.micro_batch_size,
-            max_grad_norm=self.cfg.max_grad_norm,
-            micro_step=self._micro_step,
-            prefix="actor",
-            max_tokens=self.cfg.max_tokens_per_micro_batch,
         )
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
@@ -208,8 +188,10 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
 
 
 def needs_reference(cfg: Config) -> bool:
-    """A frozen KL reference is loaded only when a KL loss or KL reward uses it."""
-    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+    """A frozen reference is loaded only when a KL loss or KL reward uses it, or an implicit PRM's rewards
+    are measured against it (PRIME)."""
+    kl = (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0) or cfg.algorithm.use_kl_in_reward
+    return kl or needs_of(get_advantage_estimator(cfg.algorithm.adv_estimator)).prm
 
 
 def update_plan(cfg: Config) -> UpdatePlan:

@@ -19,15 +19,7 @@ from mmrl.models import autocast_for, family_of, load_policy
 from mmrl.training.actor import optimizer_steps
 from mmrl.training.forward import evaluate_rows, response_hidden
 from mmrl.training.micro_batches import Layout, micro_layout
-from mmrl.training.optim import (
-    MiniBatch,
-    UpdateStats,
-    apply_settings,
-    make_optimizer,
-    minibatch_updates,
-    per_minibatch,
-    plan_minibatches,
-)
+from mmrl.training.optim import MiniBatch, TrainedModel, per_minibatch, plan_minibatches
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -83,8 +75,11 @@ def forward_values(
         return model(batch, pad_id, padding_free).float()
 
 
-class Critic:
-    """Owns the value model and its optimizer; `values` before the advantages, `update` after."""
+class Critic(TrainedModel):
+    """Owns the value model and its optimizer; `values` before the advantages, `update` after: it
+    regresses V on `returns`, clipped around the rollout's `values`."""
+
+    prefix = "critic"
 
     def __init__(
         self,
@@ -98,17 +93,12 @@ class Critic:
         max_tokens: int | None = None,
         padding_free: bool = False,
     ) -> None:
-        self.model = model
-        self.cfg = cfg
+        super().__init__(model, cfg, total_updates, micro_batch_size, max_tokens)
+        self.cfg: CriticConfig = cfg
         self.pad_id = pad_id
         self.response_len = response_len
-        self.micro_batch_size = micro_batch_size
-        self.max_tokens = max_tokens  # actor.max_tokens_per_micro_batch: micro-batches as the actor's
         self.compute_dtype = compute_dtype
         self.padding_free = padding_free  # actor.padding_free: the critic's forward runs as the actor's
-        self.optimizer, self.scheduler = make_optimizer(
-            [p for p in model.parameters() if p.requires_grad], cfg, total_updates
-        )
 
     def values(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
         """V of every response token under the current critic, 0 on padding; micro-batched by `layout`
@@ -123,35 +113,6 @@ class Critic:
             layout if layout is not None else micro_layout(batch, self.max_tokens),
         )
         return values * batch["response_mask"]
-
-    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
-        """Regress V on `returns`, clipped around the rollout's `values`: one step per planned mini-batch."""
-        return minibatch_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            plan,
-            micro_batch_size=self.micro_batch_size,
-            max_grad_norm=self.cfg.max_grad_norm,
-            micro_step=self._micro_step,
-            prefix="critic",
-            max_tokens=self.max_tokens,
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """Weights and optimizer together: a resumed critic must continue, not restart."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_settings(self.optimizer, self.scheduler, self.cfg)
 
     def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
         values = forward_values(self.model, micro, self.pad_id, self.compute_dtype, self.padding_free)

@@ -1,4 +1,5 @@
-"""Optimizer, learning-rate schedule and the mini-batch update loop shared by the actor and the critic."""
+"""Optimizer, learning-rate schedule and the mini-batch update loop shared by the actor, the critic and
+PRIME's PRM."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -15,7 +16,7 @@ from mmrl.training.micro_batches import Layout, micro_batches, micro_layout
 
 
 class OptimSettings(Protocol):
-    """The optimizer fields an actor or critic config section carries."""
+    """The optimizer fields an actor, critic or PRM config section carries."""
 
     lr: float
     weight_decay: float
@@ -23,6 +24,7 @@ class OptimSettings(Protocol):
     warmup_steps: int
     lr_schedule: str
     min_lr_ratio: float
+    max_grad_norm: float
 
 
 def lr_factor(update: int, cfg: OptimSettings, total: int) -> float:
@@ -184,3 +186,60 @@ def per_minibatch(stats: dict[str, float], rows: int, totals: dict[str, float]) 
     per-mini-batch values, so the row-weighted sum in `minibatch_updates` reports the mini-batch loss."""
     share = rows / totals["num_seqs"]
     return {k: (v / share if k.endswith(("loss", "entropy")) else v) for k, v in stats.items()}
+
+
+class TrainedModel:
+    """A model trained with an AdamW and schedule of its own, in planned mini-batches: the actor, and
+    beside it the GAE critic and PRIME's PRM. A subclass gives `prefix` (its metrics' name, and a second
+    model's folder in a sharded checkpoint) and `_micro_step`, which backpropagates one micro-batch's
+    loss and returns its metrics."""
+
+    prefix: str
+
+    def __init__(
+        self,
+        model: Any,
+        cfg: OptimSettings,
+        total_updates: int,
+        micro_batch_size: int,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens  # actor.max_tokens_per_micro_batch: micro-batches as the actor's
+        self.optimizer, self.scheduler = make_optimizer(
+            [p for p in model.parameters() if p.requires_grad], cfg, total_updates
+        )
+
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        """One optimizer step per planned mini-batch."""
+        return minibatch_updates(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            plan,
+            micro_batch_size=self.micro_batch_size,
+            max_grad_norm=self.cfg.max_grad_norm,
+            micro_step=self._micro_step,
+            prefix=self.prefix,
+            max_tokens=self.max_tokens,
+        )
+
+    def _micro_step(self, micro: Batch, totals: dict[str, float]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights and optimizer together: a resumed model must continue, not restart."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        apply_settings(self.optimizer, self.scheduler, self.cfg)

@@ -26,6 +26,7 @@ from mmrl.training.actor import needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.micro_batches import Layout, rank_rows, row_lengths, scatter_rows, worker_layouts
 from mmrl.training.optim import MiniBatch, UpdateStats
+from mmrl.training.prm import needs_prm
 from mmrl.workers.cluster import connect
 from mmrl.workers.policy import PolicyWorker
 from mmrl.workers.remote import RemoteRollout
@@ -180,13 +181,15 @@ class PolicyGroup(GeneratesAtOnce):
         connect(cfg.trainer.ray_address)
         cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(Path(cfg.model.path).resolve())  # workers may start in another folder
-        if cfg.critic.model_path:
-            cfg.critic.model_path = str(Path(cfg.critic.model_path).resolve())
+        for section in (cfg.critic, cfg.prm):
+            if section.model_path:
+                section.model_path = str(Path(section.model_path).resolve())
         self.group = WorkerGroup(PolicyWorker, cfg, "actor")
         port = ray.get(self.group.workers[0].free_port.remote())
         world, ip = len(self.group), self.group.places[0]["ip"]
         self.group.run("setup", [(cfg, rank, world, ip, port) for rank in range(world)], what="startup")
         self.critic = CriticRole(self) if needs_critic(cfg) else None  # GAE: its shards on the same ranks
+        self.prm = PRMRole(self) if needs_prm(cfg) else None  # PRIME: its shards on the same ranks too
         self.has_reference = needs_reference(cfg)  # each rank holds its shard of it
         # Overlapped: a rollout worker of its own, fed the whole weights gathered from the shards.
         self.engine: Any = self
@@ -328,7 +331,7 @@ class PolicyGroup(GeneratesAtOnce):
         return {}
 
     def load(self, folder: Path, state: dict[str, Any] | None = None) -> None:
-        """Every rank restores its shards of the weights, AdamW state and critic from `folder`."""
+        """Every rank restores its shards of the weights, AdamW state, critic and PRM from `folder`."""
         self.group.run("load", [(folder,)] * self.world, "checkpoint load")
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -359,3 +362,22 @@ class CriticRole:
     def state(self) -> dict[str, torch.Tensor]:
         """The whole critic, unsharded (for parity checks and tests)."""
         return self.group.group.run("critic_state", [()] * self.group.world)[0]
+
+
+class PRMRole:
+    """PRIME's implicit PRM on the policy's workers (`mmrl.workers.second_models`), as the trainer calls an
+    in-process `ImplicitPRM`: its batches are split across ranks as the actor's are. Its state is saved
+    and restored with the policy's (`PolicyGroup.save`, `PolicyGroup.load`)."""
+
+    def __init__(self, group: PolicyGroup) -> None:
+        self.group = group
+
+    def rewards(self, batch: Batch) -> torch.Tensor:
+        return self.group.rowwise("prm_rewards", batch)
+
+    def update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        return self.group.split_update("prm_update", batch, plan)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The whole PRM, unsharded (for parity checks and tests)."""
+        return self.group.group.run("prm_state", [()] * self.group.world)[0]

@@ -24,6 +24,7 @@ from mmrl.training.actor import build_actor, needs_reference
 from mmrl.training.critic import Critic, build_critic, needs_critic, value_model
 from mmrl.training.lora import merged_weights
 from mmrl.training.optim import MiniBatch, UpdateStats, apply_settings
+from mmrl.training.prm import ImplicitPRM, build_prm, needs_prm, prm_model
 from mmrl.training.setup import add_adapters, load_trainable, reference_logprobs
 from mmrl.workers.remote import RemoteRollout
 
@@ -31,7 +32,7 @@ from mmrl.workers.remote import RemoteRollout
 class LocalPolicy:
     """The whole policy on this process's device, starting from the weights at `start`: the model (a
     frozen base with adapters under LoRA), its optimizer, the frozen KL reference, the critic under GAE,
-    and the engine that generates from the same weights (or, overlapped, a rollout worker of its own)."""
+    the implicit PRM under PRIME, and the engine that generates from the same weights (or, overlapped, a rollout worker of its own)."""
 
     def __init__(self, cfg: Config, start: Path, processor: Any, device: str) -> None:
         if cfg.rollout.max_staleness and device == "cuda":
@@ -55,6 +56,9 @@ class LocalPolicy:
             if needs_critic(cfg):
                 critic = value_model(cfg, cfg.critic.model_path or start, device)
                 self.critic = build_critic(cfg, critic, pad_id, self.compute_dtype)
+            self.prm: ImplicitPRM | None = None
+            if needs_prm(cfg):
+                self.prm = build_prm(cfg, prm_model(cfg, start, device), pad_id, self.compute_dtype)
         self.engine: RolloutEngine = (
             RemoteRollout(cfg, partial(merged_weights, self.model))  # generates ahead while this trains
             if cfg.rollout.max_staleness
@@ -75,13 +79,15 @@ class LocalPolicy:
         ckpt.hf_writer(self.peft or self.model, self.processor)(folder)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the trainer state keeps of the policy besides the weights: optimizer, schedule, critic."""
+        """What the trainer state keeps of the policy besides the weights: optimizer, schedule, critic, PRM."""
         state = {
             "optimizer": self.actor.optimizer.state_dict(),
             "scheduler": self.actor.scheduler.state_dict(),
         }
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
+        if self.prm is not None:
+            state["prm"] = self.prm.state_dict()
         return state
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
@@ -102,6 +108,8 @@ class LocalPolicy:
         apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+        if self.prm is not None:
+            self.prm.load_state_dict(state["prm"])
 
     def shutdown(self) -> None:
         """Stop an overlapped run's rollout worker; an in-process engine has nothing to stop."""

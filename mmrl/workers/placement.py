@@ -27,11 +27,12 @@ WARMUP_MODEL = "warmup_model"
 
 
 class Policy(Protocol):
-    """The actor and its KL reference as the loop calls them, with the engine that samples from them
-    and, under GAE, the critic (`values`, `update`)."""
+    """The actor and its KL reference as the loop calls them, with the engine that samples from them,
+    under GAE the critic (`values`, `update`) and under PRIME the implicit PRM (`update`, `rewards`)."""
 
     engine: RolloutEngine
     critic: Any
+    prm: Any
     has_reference: bool
 
     def logprobs(self, batch: Batch) -> torch.Tensor: ...
@@ -80,7 +81,9 @@ def place_policy(
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(start)
     group = PolicyGroup(cfg)
-    roles = "actor and critic" if group.critic is not None else "actor"
+    roles = " and ".join(
+        name for name, held in (("actor", True), ("critic", group.critic), ("PRM", group.prm)) if held
+    )
     console.print(f"{group.world} {roles} workers (FSDP2) on {len(set(group.nodes))} node(s)")
     return group
 

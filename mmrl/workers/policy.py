@@ -3,8 +3,9 @@
 Each rank holds an FSDP2 shard of the policy (all weights, or a frozen base with LoRA
 adapters), its shard of the AdamW state, and, when a KL term needs one, the frozen reference:
 a sharded copy under full fine-tuning, the same weights with the adapter switched off under
-LoRA. Under GAE it also holds its shard of the critic (`mmrl.workers.critic`). Generation uses
-the HF engine on the sharded weights, so there is nothing to sync.
+LoRA. Under GAE it also holds its shard of the critic, under PRIME its shard of the implicit PRM
+(`mmrl.workers.second_models`). Generation uses the HF engine on the sharded weights, so there is
+nothing to sync.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from mmrl.training.actor import build_actor, needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.lora import merged_state
 from mmrl.training.micro_batches import Layout
-from mmrl.training.optim import MiniBatch, UpdateStats, apply_settings
+from mmrl.training.optim import MiniBatch, TrainedModel, UpdateStats, apply_settings
+from mmrl.training.prm import needs_prm
 from mmrl.training.setup import add_adapters, load_trainable, reference_logprobs
-from mmrl.workers.critic import load_critic, save_critic, sharded_critic
 from mmrl.workers.fsdp import full_state_dict, init_process_group, load_sharded, save_sharded, shard_policy
+from mmrl.workers.second_models import load_second, save_second, sharded_critic, sharded_prm
 
 
 def free_port() -> int:
@@ -79,6 +81,7 @@ class PolicyWorker:
         self.critic = (
             sharded_critic(cfg, device, self.pad_id, self.compute_dtype) if needs_critic(cfg) else None
         )
+        self.prm = sharded_prm(cfg, device, self.pad_id, self.compute_dtype) if needs_prm(cfg) else None
         # A vLLM engine (or its tensor-parallel rank) per worker, unless a rollout worker of its own generates.
         if resolve_engine(cfg.rollout.engine) == "vllm" and not cfg.rollout.max_staleness:
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
@@ -130,6 +133,19 @@ class PolicyWorker:
         assert self.critic is not None
         return full_state_dict(self.critic.model)
 
+    def prm_rewards(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
+        assert self.prm is not None
+        return self.prm.rewards(batch, layout)
+
+    def prm_update(self, batch: Batch, plan: list[MiniBatch]) -> UpdateStats:
+        assert self.prm is not None
+        return self.prm.update(batch, plan)
+
+    def prm_state(self) -> dict[str, torch.Tensor]:
+        """The PRM's whole state, unsharded (a collective; for parity checks and tests)."""
+        assert self.prm is not None
+        return full_state_dict(self.prm.model)
+
     def state(self) -> dict[str, torch.Tensor]:
         """The whole trainable state, unsharded (a collective; for parity checks and tests)."""
         state = full_state_dict(self.model, trainable_only=self.peft is not None)
@@ -145,10 +161,11 @@ class PolicyWorker:
         the config, the processor and the learning-rate schedule (the same on every rank).
 
         Under LoRA only the adapters are saved; the base is `model.path`, recorded in the marker file.
-        The critic, if any, goes into `folder/critic` (`mmrl.workers.critic.save_critic`)."""
+        The critic, if any, goes into `folder/critic` and the PRM into `folder/prm`
+        (`mmrl.workers.second_models.save_second`)."""
         save_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
-        if self.critic is not None:
-            save_critic(self.critic, folder, self.rank)
+        for trained in self._second_models():
+            save_second(trained, folder / trained.prefix, self.rank)
         adapter = self.state() if self.peft is not None else None  # a collective: every rank gathers
         if self.rank == 0:
             if adapter is not None:  # also in peft's format, so plain transformers (and `mmrl eval`) load it
@@ -169,8 +186,12 @@ class PolicyWorker:
         load_sharded(self.model, self.actor.optimizer, folder / "model" / "dcp", self._options)
         self.actor.scheduler.load_state_dict(load_state_file(folder / "model" / "scheduler.pt"))
         apply_settings(self.actor.optimizer, self.actor.scheduler, self.cfg.actor)  # a resume may change lr
-        if self.critic is not None:
-            load_critic(self.critic, folder, self.cfg)
+        for trained in self._second_models():
+            load_second(trained, folder / trained.prefix)
+
+    def _second_models(self) -> list[TrainedModel]:
+        """The critic and the PRM, those this rank holds; each is saved under its `prefix`."""
+        return [m for m in (self.critic, self.prm) if m is not None]
 
     @property
     def _options(self) -> StateDictOptions:
