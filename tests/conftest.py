@@ -97,7 +97,7 @@ RECORDED_S: dict[str, float] = {
     "test_recipe_learns_colour_from_pixels[ppo]": 160,
     "test_geo_recipe.py": 125,
     "test_learning.py::test_quickstart_recipe_learns_with_rollouts_one_update_behind": 125,
-    "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl": 115,
+    "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl": 200,  # up to 3 seeds
     "test_learning.py::test_quickstart_recipe_learns": 115,
     "test_recipe_learns_colour_from_pixels[drgrpo]": 140,
     "test_recipe_learns_colour_from_pixels[lora]": 120,
@@ -107,6 +107,7 @@ RECORDED_S: dict[str, float] = {
     "faults/test_resources.py": 70,
     "faults/test_crash_resume.py": 45,
     "test_a_killed_worker_stops_the_run": 45,
+    "test_suite_budget.py": 45,  # its fixture: a `pytest -n 2` run of test_schedule.py
     "test_two_workers_prm_update_rewards_and_resume_like_one_process": 60,
     "test_sharded_checkpoint_exports_whole_and_resumes_exactly": 40,
     "test_the_qwen3_math_recipe_runs_two_steps_on_cpu": 40,

@@ -35,7 +35,13 @@ def over_both() -> subprocess.CompletedProcess[str]:
             f"{TESTS / 'test_schedule.py'}",
         ],
         cwd=TESTS.parent,
-        env={**os.environ, "MMRL_TEST_BUDGET_MIN": "0.0001", "MMRL_TEST_RECORD_SCALE": "1e-6"},
+        # PYTEST_ADDOPTS of the outer run (-v, say) would change the lines the tests read
+        env={
+            **os.environ,
+            "MMRL_TEST_BUDGET_MIN": "0.0001",
+            "MMRL_TEST_RECORD_SCALE": "1e-6",
+            "PYTEST_ADDOPTS": "",
+        },
         capture_output=True,
         text=True,
         timeout=300,
