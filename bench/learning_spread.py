@@ -120,7 +120,7 @@ def run_one(
     val = json.loads(lines[-1][len("RESULT ") :])
     (_, first), (_, last) = val[0], val[-1]
     # where the suite's run, which ends at its first validation min_gain above the start, stops
-    stop = next((step for step, v in val[1:] if v - first >= RUNS[name].min_gain), None)
+    stop = next((step for step, v in val[1:] if v - first >= RUNS[base].min_gain), None)
     return result | {"validations": val, "first": first, "last": last, "gain": last - first, "stop": stop}
 
 
