@@ -150,10 +150,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # that takes longer fails, naming the slowest tests, so the suite cannot creep past the limit unnoticed.
 # `MMRL_TEST_BUDGET_MIN=0` turns this check and the per-test one off (a slow laptop, a debugger).
 # The target is 30 minutes, with the suite at 20. On 2026-12-03 it took 23 min 00 s on the 2-core AMD
-# EPYC VM (38 the day before, docs/benchmarks.md), and machines CI has run on have been up to 1.6 times
-# slower: until the suite is at 20 the guard sits at 40, so that a landing is not refused for what the
+# EPYC VM (38 the day before, docs/benchmarks.md), and machines CI has run on have been up to 1.8 times
+# slower: until the suite is at 20 the guard sits at 45, so that a landing is not refused for what the
 # records already allow.
-BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "40"))
+BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "45"))
 _started: list[float] = []
 _over_budget: list[str] = []
 
