@@ -43,9 +43,8 @@ def commands(name: str, root: Path, steps: int) -> tuple[list[list[str]], Path]:
     """The commands of scenario `name` (set-up first, the watched run last) and its run folder."""
     run = root / "run"
     if name in ("colour", "zoom"):
-        task = {"colour": "colour", "zoom": "zoom"}[name]
         return [
-            _mmrl("quickstart", "--task", task, "--out", str(root), f"trainer.total_steps={steps}", *QUIET)
+            _mmrl("quickstart", "--task", name, "--out", str(root), f"trainer.total_steps={steps}", *QUIET)
         ], run
     model, cloned = root / "tiny-model", root / "sft-model"
     config = str(REPO / "configs" / "vla_mujoco_reach.yaml")

@@ -136,6 +136,7 @@ class Trainer:
             with self._worker_errors():
                 baseline = self.source.validate(self._context(PhaseTimer()))
                 self.logger.log(0, baseline)
+                self.baseline = baseline
                 self._targets_reached(baseline)  # a target this validation lacks fails before any training
             progress.validated(0, baseline)
         with progress, StopSignals() as stop:
@@ -174,7 +175,6 @@ class Trainer:
                 f"{', '.join(found) or 'nothing'}"
             )
         if self.step == 0:
-            self.baseline = validation
             return False
         targets = dict(cfg.stop_at)
         for name, gain in cfg.stop_at_gain.items():
