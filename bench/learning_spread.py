@@ -119,8 +119,11 @@ def run_one(
         return result | {"error": proc.stderr[-2000:]}
     val = json.loads(lines[-1][len("RESULT ") :])
     (_, first), (_, last) = val[0], val[-1]
-    # where the suite's run, which ends at its first validation min_gain above the start, stops
-    stop = next((step for step, v in val[1:] if v - first >= RUNS[base].min_gain), None)
+    # where the suite's run, which ends at its first validation min_gain above the start (or above
+    # chance), stops
+    run = RUNS[base]
+    start = first if run.chance is None else run.chance
+    stop = next((step for step, v in val[1:] if v - start >= run.min_gain), None)
     return result | {"validations": val, "first": first, "last": last, "gain": last - first, "stop": stop}
 
 
@@ -143,7 +146,7 @@ def main() -> None:
         workdir = args.workdir or Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:
             # every run trains all its steps, so the gain measured is the full run's
-            extra = ("trainer.stop_at_gain={}", *args.overrides)
+            extra = ("trainer.stop_at_gain={}", "trainer.stop_at={}", *args.overrides)
             results = list(pool.map(lambda c: run_one(*c, workdir, extra), combos))
 
     print(

@@ -80,6 +80,7 @@ def test_the_key_changes_with_everything_the_warm_up_reads(tmp_path, tiny_model_
 
     base = key()
     assert key("actor.lr=5e-4", "algorithm.adv_estimator=rloo", "trainer.total_steps=9") == base
+    assert key("data.train_batch_size=8", "data.max_val_samples=4") == base  # RL's batch, validation's rows
     assert key("trainer.output_dir=/elsewhere") == base  # paths do not count, contents do
     for changed in ("warmup.lr=1e-2", "warmup.steps=4", "trainer.seed=2", "data.max_prompt_length=100"):
         assert key(changed) != base, changed

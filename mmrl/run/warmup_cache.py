@@ -22,13 +22,15 @@ from mmrl.config import Config
 
 HASHED_BYTES = 256 * 2**20
 LOSSES = "warmup_losses.json"
+_NOT_READ_BY_WARMUP = {"train_files", "val_files", "val_batch_size", "max_val_samples", "train_batch_size"}
 
 
 def warmup_key(cfg: Config) -> str:
     """A digest of what the warm-up's output depends on; the algorithm, rewards and rollout are not."""
     reads = {
         "model": cfg.model.model_dump(mode="json", exclude={"path"}),
-        "data": cfg.data.model_dump(mode="json", exclude={"train_files", "val_files", "val_batch_size"}),
+        # the RL steps' batch and what validation reads do not reach the warm-up
+        "data": cfg.data.model_dump(mode="json", exclude=_NOT_READ_BY_WARMUP),
         "agent": cfg.agent.model_dump(mode="json") if cfg.agent else None,
         "warmup": cfg.warmup.model_dump(mode="json", exclude={"cache_dir"}),
         "seed": cfg.trainer.seed,
