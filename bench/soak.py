@@ -7,6 +7,7 @@ warm (at 10% of the steps), the least-squares slope per 100 steps after that, an
 
     python bench/soak.py                                   # 1000 quickstart, 200 agent, 100 VLA steps
     python bench/soak.py --scenarios colour --steps 300 --out /tmp/soak.json
+    python bench/soak.py --scenarios zoom data.train_batch_size=4   # a smaller batch, the same machinery
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ def _mmrl(*args: str) -> list[str]:
     ]
 
 
-def commands(name: str, root: Path, steps: int) -> tuple[list[list[str]], Path]:
-    """The commands of scenario `name` (set-up first, the watched run last) and its run folder."""
+def commands(
+    name: str, root: Path, steps: int, overrides: tuple[str, ...] = ()
+) -> tuple[list[list[str]], Path]:
+    """The commands of scenario `name` (set-up first, the watched run last, with `overrides`) and its run
+    folder."""
     run = root / "run"
     if name in ("colour", "zoom"):
-        return [
-            _mmrl("quickstart", "--task", name, "--out", str(root), f"trainer.total_steps={steps}", *QUIET)
-        ], run
+        quick = ["quickstart", "--task", name, "--out", str(root), f"trainer.total_steps={steps}"]
+        return [_mmrl(*quick, *QUIET, *overrides)], run
     model, cloned = root / "tiny-model", root / "sft-model"
     config = str(REPO / "configs" / "vla_mujoco_reach.yaml")
     # A short behaviour-cloning pass: the soak watches RL's episodes, not the quality of the clone.
@@ -61,6 +64,7 @@ def commands(name: str, root: Path, steps: int) -> tuple[list[list[str]], Path]:
         f"trainer.total_steps={steps}",
         "env.num_workers=2",
         *QUIET,
+        *overrides,
     )
     return [*setup, train], run
 
@@ -110,10 +114,10 @@ def slope_per_100(samples: list[tuple[float, int, float]], steps: int) -> tuple[
     return ys[0], 100 * slope
 
 
-def soak(name: str, steps: int, workdir: Path) -> dict[str, Any]:
+def soak(name: str, steps: int, workdir: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     root = workdir / name
     root.mkdir(parents=True, exist_ok=True)
-    (*setup, train), run = commands(name, root, steps)
+    (*setup, train), run = commands(name, root, steps, overrides)
     for i, cmd in enumerate(setup):
         with (root / f"setup{i}.log").open("w") as out:
             subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True)
@@ -138,11 +142,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps for every scenario (default: 1000, 200, 100)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="write the results, samples included, as JSON here")
+    parser.add_argument("overrides", nargs="*", help="key=value on every scenario's watched run")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="mmrl-soak-") as tmp:
         workdir = args.workdir or Path(tmp)
-        results = [soak(n, args.steps or DEFAULT_STEPS[n], workdir) for n in args.scenarios]
+        steps = {n: args.steps or DEFAULT_STEPS[n] for n in args.scenarios}
+        results = [soak(n, steps[n], workdir, tuple(args.overrides)) for n in args.scenarios]
 
     print(f"{'scenario':<10}{'steps':>7}{'seconds':>9}{'warm GiB':>10}{'GiB/100 steps':>15}{'peak GiB':>10}")
     for r in results:
@@ -150,7 +156,7 @@ def main() -> None:
             f"{r['scenario']:<10}{r['steps']:>7}{r['seconds']:>9.0f}{r['warm_gb']:>10.3f}"
             f"{r['slope_gb_per_100_steps']:>15.4f}{r['peak_gb']:>10.3f}"
         )
-    write_result(args.out, {"machine": machine(), "results": results})
+    write_result(args.out, {"machine": machine(), "overrides": args.overrides, "results": results})
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def tiny_family_dir(tmp_path_factory: pytest.TempPathFactory):
 #   no test grows unnoticed until the suite is over budget. A test with no entry is held to `SHORT_S`.
 # A key is matched as a substring of the test's node id; the first match counts (longer names first).
 RECORDED_S: dict[str, float] = {
-    "test_zoom_learning.py": 400,  # stops at step 10 here (2026-12-03)
+    "test_zoom_learning.py": 670,  # all 30 steps under AVX2 here; fewer where it reads sooner
     "test_vla_learning.py": 470,
     "test_game_learning.py": 355,
     "test_agent_resume.py": 215,

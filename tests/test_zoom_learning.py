@@ -3,9 +3,10 @@
 independently of the image, greedy play on held-out scenes comes to zoom onto the mark and its accuracy
 leaves chance, which a policy that never zooms cannot (`bench/zoom_locate.py`: 0.33 at every validation).
 
-Measured on the 2-core AMD EPYC VM (2026-12-03, docs/benchmarks.md "Agents"): seed 1 reads 0.33 -> 0.67
-at step 10, where the run stops, with greedy useful zooms 0.00 -> 1.00; the same seed on a 2-core Intel
-Xeon read 0.67 at step 30 (2026-11-28)."""
+Measured under the suite's AVX2 pin on the 2-core AMD EPYC VM (2026-12-03, docs/benchmarks.md): seed 1
+reads 0.33, 0.33, 0.33, 0.67 at steps 0, 10, 20, 30, with greedy useful zooms 0.00 -> 1.00 from step 20;
+with the CPU's native kernels it reads 0.67 at step 10, where the run stops. The same seed on a 2-core
+Intel Xeon read 0.67 at step 30 (2026-11-28)."""
 
 from __future__ import annotations
 
