@@ -210,6 +210,7 @@ def test_prime_recipe_trains_its_prm_and_a_resume_restores_it_exactly(
         assert {"prm/loss", "prm/accuracy", "prm/grad_norm", "actor/pg_loss"} <= set(record)
         assert 0 <= record["prm/accuracy"] <= 1 and record["prm/skipped_updates"] == 0
     assert records[-1]["prm/process_reward_mean"] != 0  # the PRM has moved away from the reference
+    assert records[-1]["prm/process_reward_std"] > 0
 
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
     saved = ckpt.load_trainer_state(folder)["prm"]

@@ -136,5 +136,8 @@ def train_and_score(prm: Any, cfg: Config, batch: Batch) -> dict[str, Any]:
     mask = batch["response_mask"].bool()
     metrics = dict(stats.metrics)
     metrics["prm/skipped_updates"] = stats.skipped_steps
-    metrics["prm/process_reward_mean"] = float(batch["process_rewards"][mask].mean()) if mask.any() else 0.0
+    values = batch["process_rewards"][mask].float()
+    metrics["prm/process_reward_mean"] = float(values.mean()) if values.numel() else 0.0
+    # a batch mean near 0 can hide a wide per-token spread, which the returns sum along each response
+    metrics["prm/process_reward_std"] = float(values.std()) if values.numel() > 1 else 0.0
     return metrics
