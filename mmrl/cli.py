@@ -53,6 +53,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     resolve_checkpoint(args.checkpoint)  # the model to score is the first thing a mistake can be in
+    if args.out is not None:
+        _output_file(args.out, args.force, "the evaluation's results")
     check_startup(cfg, "eval")
     if cfg.env is not None:
         from mmrl.evaluate.episodes import evaluate_episodes
@@ -100,6 +102,17 @@ def _output_folder(path: str | Path, force: bool, what: str) -> Path:
             f"{out} is not empty; give a new or empty folder for {what}, or pass --force to write into it "
             "(files of the same names are replaced)"
         )
+    return out
+
+
+def _output_file(path: str | Path, force: bool, what: str) -> Path:
+    """The file a command writes `what` into: new, or an existing one with --force. Checked before the
+    work, so a mistyped path (a data set's `train.jsonl`) is refused at once, not replaced at the end."""
+    out = Path(path)
+    if out.is_dir():
+        raise FileExistsError(f"{out} is a folder; give a file name to write {what} to")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; give a new file name for {what}, or pass --force to replace it")
     return out
 
 
@@ -178,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--threshold", type=float, default=0.5, help="accuracy score counted as correct for pass@k"
     )
-    ev.add_argument("--out", default=None, help="JSON file (default: eval_*.json beside the model)")
+    ev.add_argument(
+        "--out",
+        default=None,
+        help="a new JSON file (default: eval_*.json beside the model, rewritten each time)",
+    )
+    ev.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     ev.add_argument(
         "--episodes",
         type=int,

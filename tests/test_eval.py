@@ -29,7 +29,7 @@ def test_pass_at_k_by_hand(n: int, correct: int, k: int, expected: float) -> Non
 
 
 @pytest.mark.slow
-def test_eval_reproduces_the_last_validation_and_reports_pass_at_k(tmp_path, tiny_model_dir) -> None:
+def test_eval_reproduces_the_last_validation_and_reports_pass_at_k(tmp_path, tiny_model_dir, capsys) -> None:
     data = tmp_path / "data"
     generate(data, task="color", n_train=32, n_val=24, seed=0, image_size=56)
     reward = tmp_path / "scramble.py"  # differs between responses, so equal numbers are not a coincidence
@@ -70,6 +70,13 @@ def test_eval_reproduces_the_last_validation_and_reports_pass_at_k(tmp_path, tin
     assert result["eval/accuracy"] == pytest.approx(last["val/accuracy"], abs=1e-9)
     assert result["eval/mean"] == pytest.approx(last["val/mean"], abs=1e-9)
     assert 0 < result["eval/accuracy"] < 1
+    # An --out that exists is refused before any work, and kept; --force replaces it.
+    again = ["eval", "configs/quickstart.yaml", *common, "--checkpoint", str(run), "--out", str(out)]
+    capsys.readouterr()
+    assert main(again) == 2 and json.loads(out.read_text()) == result
+    assert f"{out} exists" in " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    out.write_text("{}")
+    assert main([*again, "--force"]) == 0 and json.loads(out.read_text()) == result
 
     sampled = tmp_path / "pass.json"
     args = ["--checkpoint", str(run / "checkpoints"), "--n", "4", "--k", "1", "2", "4", "--out", str(sampled)]
