@@ -122,8 +122,7 @@ def run_one(
     # where the suite's run, which ends at its first validation min_gain above the start (or above
     # chance), stops
     run = RUNS[base]
-    start = first if run.chance is None else run.chance
-    stop = next((step for step, v in val[1:] if v - start >= run.min_gain), None)
+    stop = next((step for step, v in val[1:] if run.gain(first, v) >= run.min_gain), None)
     return result | {"validations": val, "first": first, "last": last, "gain": last - first, "stop": stop}
 
 

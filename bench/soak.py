@@ -147,8 +147,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="mmrl-soak-") as tmp:
         workdir = args.workdir or Path(tmp)
-        steps = {n: args.steps or DEFAULT_STEPS[n] for n in args.scenarios}
-        results = [soak(n, steps[n], workdir, tuple(args.overrides)) for n in args.scenarios]
+        overrides = tuple(args.overrides)
+        results = [soak(n, args.steps or DEFAULT_STEPS[n], workdir, overrides) for n in args.scenarios]
 
     print(f"{'scenario':<10}{'steps':>7}{'seconds':>9}{'warm GiB':>10}{'GiB/100 steps':>15}{'peak GiB':>10}")
     for r in results:

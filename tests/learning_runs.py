@@ -97,6 +97,10 @@ class LearningRun:
     # played greedily, scores below chance): it stops at `chance + min_gain` (`trainer.stop_at`).
     chance: float | None = None
 
+    def gain(self, first: float, value: float) -> float:
+        """How far `value` is above where the run's gain counts from: chance, or its step-0 `first`."""
+        return value - (first if self.chance is None else self.chance)
+
 
 # Each threshold keeps a margin below the worst gain in held-out accuracy measured for its run over seeds
 # 1-3 and both kinds of x86 numerics (`bench/learning_spread.py`, 2026-11-24, docs/benchmarks.md). After
@@ -326,7 +330,6 @@ def rise(run: LearningRun, records: list[dict[str, Any]]) -> tuple[int, float, f
     val = validations(records, run.metric)
     (first_step, first), (last_step, last) = val[0], val[-1]
     assert first_step == 0, f"no validation before training: {val}"
-    gain = last - (first if run.chance is None else run.chance)
-    stopped = run.val_every is not None and gain >= run.min_gain
+    stopped = run.val_every is not None and run.gain(first, last) >= run.min_gain
     assert last_step == run.steps or stopped, f"the run ended at step {last_step} of {run.steps}: {val}"
     return last_step, first, last

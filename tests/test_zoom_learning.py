@@ -24,7 +24,7 @@ def test_grpo_teaches_the_agent_quickstart_to_zoom_and_read(tmp_path, tiny_model
     assert first <= run.chance + 0.01, (
         f"the warm-up alone should not read the mark: held-out accuracy {first}"
     )
-    assert last - run.chance >= run.min_gain, f"held-out accuracy went {first:.2f} -> {last:.2f}"
+    assert run.gain(first, last) >= run.min_gain, f"held-out accuracy went {first:.2f} -> {last:.2f}"
     zooms = validations(records, "val/zoom_hit")  # greedy zooms tight around the mark, held-out scenes
     assert zooms[-1][1] >= 0.9, (
         f"held-out accuracy rose, yet greedy play misses the mark (useful zooms): {zooms}"
