@@ -53,7 +53,7 @@ def test_implicit_process_reward_is_beta_times_the_token_log_ratio_by_hand() -> 
 
 
 def test_prm_cross_entropy_on_outcome_labels_by_hand() -> None:
-    # Eq. 4, β = 0.5: r_φ(y) = β·Σ_t log-ratio: row 0 0.5·(0.5 − 1) = −0.25, row 1 0.5·(0 + 0.5 + 1) = 0.75.
+    # L_CE (Algorithm 1 line 8), β = 0.5: r_φ(y) = β·Σ_t log-ratio: row 0 0.5·(0.5 − 1) = −0.25, row 1 0.5·(0 + 0.5 + 1) = 0.75.
     # Row 2 has no response tokens (a worker's padding row): no loss, whatever its junk and label.
     prm_logp = torch.cat([PRM_LOGP, torch.full((1, 3), PAD)]).requires_grad_(True)
     ref_logp = torch.cat([REF_LOGP, torch.full((1, 3), -PAD)])
@@ -96,7 +96,7 @@ PROCESS = torch.tensor(
 
 
 def test_prime_advantage_combines_both_leave_one_out_baselines_by_hand() -> None:
-    # Eq. 6 with γ = 1. Process part, group 7 (rows 0, 2, 4, 6; means 0, 0.6, −0.1, 0.1, Σ = 0.6, K = 4):
+    # Eq. 5 with γ = 1. Process part, group 7 (rows 0, 2, 4, 6; means 0, 0.6, −0.1, 0.1, Σ = 0.6, K = 4):
     #   b_0 = (0.6 − 0)/3 = 0.2        row 0: 0.1, −0.2, −0.5   → to go −0.6, −0.7, −0.5
     #   b_2 = (0.6 − 0.6)/3 = 0        row 2: 0.6               → 0.6
     #   b_4 = (0.6 + 0.1)/3 = 0.2333…  row 4: −0.4333…, −0.2333… → −0.6667, −0.2333
@@ -104,7 +104,7 @@ def test_prime_advantage_combines_both_leave_one_out_baselines_by_hand() -> None
     # group 1 (rows 3, 5; equal outcomes 2, 2 but means 0.2, 0.2): b = 0.2 for both
     #   row 3: −0.1, 0.1 → 0, 0.1 ;  row 5: 0, 0, 0 → 0, 0, 0
     # a group of one (row 1): no baseline, 0.
-    # Outcome part (RLOO, Eq. 5), group 7 scores 1, 0, 0, 1: ±(1 − 1/3) = ±2/3 on every token; groups 1 and 3: 0.
+    # Outcome part (RLOO, Eq. 4), group 7 scores 1, 0, 0, 1: ±(1 − 1/3) = ±2/3 on every token; groups 1 and 3: 0.
     adv, returns = prime(REWARDS, MASK, GROUPS, process_rewards=PROCESS)
     o = 2 / 3
     close(
@@ -186,23 +186,30 @@ def test_prime_refuses_rewards_outside_zero_one_before_training_the_prm() -> Non
 PARITY = "def parity(sample):\n    return float(sum(map(ord, sample.response)) % 2)\n"
 
 
+def parity_run(tmp_path: Path, model: Path, run: str, *extra: str) -> list[str]:
+    """The overrides of a short PRIME recipe run in `tmp_path / run`, rewarded by `PARITY`."""
+    data = tmp_path / "data"
+    if not data.exists():
+        generate(data, task="color", n_train=8, n_val=0, seed=0, image_size=56)
+        (tmp_path / "parity.py").write_text(PARITY)
+    return [
+        f"model.path={model}",
+        f"data.train_files={data / 'train.jsonl'}",
+        "data.val_files=[]",
+        f"trainer.output_dir={tmp_path / run}",
+        *FAST,
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        f"reward.functions=[{{name: '{tmp_path / 'parity.py'}:parity'}}]",
+        *extra,
+    ]
+
+
 @pytest.mark.slow
 def test_prime_recipe_trains_its_prm_and_a_resume_restores_it_exactly(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
-    reward = tmp_path / "parity.py"
-    reward.write_text(PARITY)
-    overrides = [
-        f"model.path={tiny_model_dir}",
-        f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
-        "data.val_files=[]",
-        f"trainer.output_dir={tmp_path / 'run'}",
-        *FAST,
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
-        f"reward.functions=[{{name: '{reward}:parity'}}]",
-    ]
+    overrides = parity_run(tmp_path, tiny_model_dir, "run")
     assert main(["train", str(PRIME), *overrides]) == 0
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
@@ -230,3 +237,22 @@ def test_prime_recipe_trains_its_prm_and_a_resume_restores_it_exactly(
         for name, value in state.items()
     )
     assert restored["scheduler"] == saved["scheduler"]
+
+
+@pytest.mark.slow
+def test_prime_without_its_process_part_trains_as_rloo(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The PRM's own update draws nothing from the stream the policy samples from: with c_p = 0, PRIME's
+    rollouts and updates are RLOO's, step after step (its PRM still trains and scores)."""
+    steps = ["trainer.total_steps=3"]
+    prime_run = parity_run(tmp_path, tiny_model_dir, "prime", *steps, "algorithm.prime_process_coef=0")
+    rloo_run = parity_run(tmp_path, tiny_model_dir, "rloo", *steps, "algorithm.adv_estimator=rloo")
+    assert main(["train", str(PRIME), *prime_run]) == 0
+    assert main(["train", str(PRIME), *rloo_run]) == 0
+    prime_records = read_metrics(tmp_path / "prime" / "metrics.jsonl")
+    rloo_records = read_metrics(tmp_path / "rloo" / "metrics.jsonl")
+    assert [r["step"] for r in prime_records] == [r["step"] for r in rloo_records] == [1, 2, 3]
+    assert all("prm/loss" in r for r in prime_records)
+    for ours, theirs in zip(prime_records, rloo_records, strict=True):
+        assert ours["reward/mean"] == theirs["reward/mean"]  # the same responses were sampled
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key

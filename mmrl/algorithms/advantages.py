@@ -152,7 +152,7 @@ def prime(
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """PRIME (Cui et al. 2025, "Process Reinforcement through Implicit Rewards", arXiv 2502.01456, §3.2,
-    Eq. 5 and 6): RLOO on the outcome reward and on the implicit process rewards r_φ(y_t) of the PRM
+    Eq. 5, its outcome part Eq. 4): RLOO on the outcome reward and on the implicit process rewards r_φ(y_t) of the PRM
     (`mmrl.algorithms.implicit_process_rewards`), each with its own leave-one-out baseline, the process
     part as a return:
 
@@ -164,7 +164,7 @@ def prime(
     one's sum; the outcome advantage is RLOO's (`rloo`) on every token. c_o, c_p are
     ``algorithm.prime_outcome_coef`` and ``prime_process_coef`` (the paper sums the two: 1 and 1).
     ``process_rewards`` [B, T] are the PRM's rewards; ``returns`` is what the rewards alone make a token
-    worth: c_o·r_o(y^i) + c_p·Σ_{s≥t} γ^{s−t} r_φ(y^i_s). No whitening (the paper's Eq. 6; verl's recipe
+    worth: c_o·r_o(y^i) + c_p·Σ_{s≥t} γ^{s−t} r_φ(y^i_s). No whitening (the paper's Eq. 5; verl's recipe
     also whitens). A group of one has no baseline and gets 0 from both parts.
     """
     if process_rewards is None:

@@ -38,7 +38,7 @@ def implicit_prm_loss(
     num_seqs: float | None = None,
     **kwargs: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PRIME's PRM loss (Cui et al. 2025, arXiv 2502.01456, §3.1, Eq. 4, L_CE), a cross-entropy on
+    """PRIME's PRM loss (Cui et al. 2025, arXiv 2502.01456, Algorithm 1 line 8, L_CE, unnumbered), a cross-entropy on
     outcome labels:
 
         r_φ(y) = Σ_t r_φ(y_t) = β · Σ_t log(π_φ(y_t|y_<t) / π_ref(y_t|y_<t)),  p = σ(r_φ(y)),

@@ -31,9 +31,14 @@ def needs_prm(cfg: Config) -> bool:
 
 
 def prm_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:
-    """The PRM's mini-batches: the actor's size, one pass over the step's responses."""
+    """The PRM's mini-batches: the actor's size, one pass over the step's responses.
+
+    Shuffled on a forked RNG: the policy samples from the global stream, and a second model's shuffle
+    drawing from it would move every later rollout, so PRIME with `prime_process_coef: 0` would no longer
+    be the RLOO run it reduces to."""
     rows_per_step = cfg.actor.mini_batch_size * responses_per_prompt(cfg)
-    return plan_minibatches(batch, rows_per_step, 1, cfg.rollout.max_new_tokens)
+    with torch.random.fork_rng(devices=[]):
+        return plan_minibatches(batch, rows_per_step, 1, cfg.rollout.max_new_tokens)
 
 
 class ImplicitPRM(TrainedModel):
