@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -281,19 +282,20 @@ def lengths_summary(lengths: list[int]) -> dict[str, float]:
 def run_mmrl(args: argparse.Namespace, root: Path, extra: list[str] | None = None) -> dict[str, Any]:
     """GRPO steps through mmrl's Trainer; timings from its metrics.jsonl."""
     from mmrl.config import load_config
-    from mmrl.rollout.hf import HFEngine
+    from mmrl.rollout.base import GeneratesAtOnce
     from mmrl.run.logger import read_metrics
     from mmrl.trainer import Trainer
 
+    # Every in-process engine (HF, vLLM) hands its batches out through `GeneratesAtOnce.submit`.
     lengths: list[int] = []
-    generate = HFEngine.generate
+    submit = GeneratesAtOnce.submit
 
-    def generate_and_count(self: Any, prompts: list, params: Any) -> Any:
-        batch = generate(self, prompts, params)
-        lengths.extend(batch["response_mask"].sum(dim=1).tolist())
-        return batch
+    def submit_and_count(self: Any, prompts: list, params: Any) -> Any:
+        generation = submit(self, prompts, params)
+        lengths.extend(generation.batch["response_mask"].sum(dim=1).tolist())
+        return generation
 
-    HFEngine.generate = generate_and_count  # type: ignore[method-assign]
+    GeneratesAtOnce.submit = submit_and_count  # type: ignore[method-assign]
 
     run_dir = root / f"mmrl-{time.time_ns()}"
     overrides = [
@@ -693,7 +695,9 @@ def launch(args: argparse.Namespace, system: str, root: Path, index: int) -> dic
     ]
     load_before = load_average()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # The thread count in the environment too, so that vLLM-CPU binds as many OpenMP threads as torch uses.
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise RuntimeError(f"{system} run {index} failed with exit code {proc.returncode}")

