@@ -14,7 +14,13 @@ import torch
 from algorithm_cases import GROUPS, MASK, PAD, REWARDS, close
 from helpers import FAST, tiny_vla_config
 
-from mmrl.algorithms import implicit_prm_loss, implicit_process_rewards, needs_of, prime
+from mmrl.algorithms import (
+    batch_normalized_process_rewards,
+    implicit_prm_loss,
+    implicit_process_rewards,
+    needs_of,
+    prime,
+)
 from mmrl.cli import main
 from mmrl.config import load_config
 from mmrl.data.batch import Batch
@@ -50,6 +56,16 @@ def test_implicit_process_reward_is_beta_times_the_token_log_ratio_by_hand() -> 
     # row 1 log-ratios 0, 0.5, 1 → 0, 0.25, 0.5
     rewards = implicit_process_rewards(PRM_LOGP, REF_LOGP, TWO_ROWS, beta=0.5)
     close(rewards, [[0.25, -0.5, 0.0], [0.0, 0.25, 0.5]])
+
+
+def test_batch_normalization_scales_the_largest_process_return_to_one_by_hand() -> None:
+    # Rewards [[0.25, −0.5, junk], [0, 0.25, 0.5]] (junk on padding): returns-to-go row 0 −0.25, −0.5, 0;
+    # row 1 0.75, 0.75, 0.5. The largest |return| is 0.75, so every reward is divided by 0.75 (+1e-6).
+    rewards = torch.tensor([[0.25, -0.5, 7.0], [0.0, 0.25, 0.5]])
+    scaled = batch_normalized_process_rewards(rewards, TWO_ROWS)
+    close(scaled, [[1 / 3, -2 / 3, 0.0], [0.0, 1 / 3, 2 / 3]], atol=1e-5)
+    # All zero (a PRM still equal to the reference): stays zero, no division by zero.
+    assert torch.equal(batch_normalized_process_rewards(torch.zeros(2, 3), TWO_ROWS), torch.zeros(2, 3))
 
 
 def test_prm_cross_entropy_on_outcome_labels_by_hand() -> None:

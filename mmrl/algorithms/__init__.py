@@ -34,7 +34,11 @@ from mmrl.algorithms.filtering import (
     informative_groups,
     register_policy_filter,
 )
-from mmrl.algorithms.implicit_prm import implicit_prm_loss, implicit_process_rewards
+from mmrl.algorithms.implicit_prm import (
+    batch_normalized_process_rewards,
+    implicit_prm_loss,
+    implicit_process_rewards,
+)
 from mmrl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from mmrl.algorithms.kl_control import (
     AdaptiveKLController,
@@ -80,6 +84,7 @@ __all__ = [
     "KLController",
     "Needs",
     "agg_loss",
+    "batch_normalized_process_rewards",
     "best_of_n",
     "best_random",
     "best_worst",

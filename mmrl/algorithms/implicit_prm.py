@@ -28,6 +28,20 @@ def implicit_process_rewards(
     return torch.where(mask, beta * ratio, torch.zeros_like(ratio))
 
 
+def batch_normalized_process_rewards(process_rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """The process rewards scaled so that the largest |return-to-go| in the batch is 1:
+
+        r̃(y^i_t) = r_φ(y^i_t) / max_{j,s} | Σ_{u≥s} r_φ(y^j_u) |,
+
+    the normalisation of the PRIME authors' implementation (verl's `prime_norm: batch_norm`; the paper
+    does not state it). Unscaled, a response's process return grows with its length and with how far
+    the policy has drifted from what the PRM was trained on, and can outweigh the outcome's ±1: the
+    policy then learns the PRM's blind spots instead of the task. [B, T]; 0 on padding."""
+    rewards = process_rewards.float() * response_mask
+    to_go = rewards.flip(dims=[1]).cumsum(dim=1).flip(dims=[1])
+    return rewards / (to_go.abs().max() + 1e-6)
+
+
 def implicit_prm_loss(
     prm_logprobs: Tensor,
     ref_logprobs: Tensor,

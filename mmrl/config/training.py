@@ -247,6 +247,11 @@ class PRMConfig(OptimSection):
     beta: float = Field(
         0.05, gt=0, description="β of the implicit reward β·log π_φ/π_ref, in its loss too (the paper: 0.05)"
     )
+    process_norm: Literal["batch", "none"] = Field(
+        "batch",
+        description="batch: the process rewards divided by the batch's largest |return-to-go|, so none "
+        "outweighs the outcome's ±1 (the PRIME authors' code); none: β·log π_φ/π_ref as it is",
+    )
 
 
 class WarmupConfig(Section):

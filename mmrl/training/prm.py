@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from mmrl.algorithms import get_advantage_estimator, implicit_prm_loss, implicit_process_rewards, needs_of
+from mmrl.algorithms import (
+    batch_normalized_process_rewards,
+    get_advantage_estimator,
+    implicit_prm_loss,
+    implicit_process_rewards,
+    needs_of,
+)
 from mmrl.config import Config, PRMConfig
 from mmrl.data.batch import Batch
 from mmrl.errors import ConfigError
@@ -137,12 +143,15 @@ def train_and_score(prm: Any, cfg: Config, batch: Batch) -> dict[str, Any]:
             "answer_match alone"
         )
     stats = prm.update(batch, prm_plan(cfg, batch))
-    batch.set(process_rewards=prm.rewards(batch))
+    rewards = prm.rewards(batch)
     mask = batch["response_mask"].bool()
     metrics = dict(stats.metrics)
     metrics["prm/skipped_updates"] = stats.skipped_steps
-    values = batch["process_rewards"][mask].float()
+    values = rewards[mask].float()  # the PRM's own β·log π_φ/π_ref, before any normalisation
     metrics["prm/process_reward_mean"] = float(values.mean()) if values.numel() else 0.0
     # a batch mean near 0 can hide a wide per-token spread, which the returns sum along each response
     metrics["prm/process_reward_std"] = float(values.std()) if values.numel() > 1 else 0.0
+    if cfg.prm.process_norm == "batch":
+        rewards = batch_normalized_process_rewards(rewards, batch["response_mask"])
+    batch.set(process_rewards=rewards)
     return metrics
