@@ -68,6 +68,9 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "grpo",
         (
             "algorithm.adv_estimator=prime",
+            "algorithm.prime_process_coef=0.2",
+            "algorithm.dynamic_sampling=true",
+            "actor.kl_loss_coef=0.1",
             "prm.lr=1e-3",
             "prm.beta=0.05",
             "prm.warmup_steps=5",

@@ -168,7 +168,7 @@ def test_prime_declares_its_prm_and_the_recipe_selects_it() -> None:
     assert needs_of(prime).prm and needs_of(prime).groups and not needs_of(prime).critic
     cfg = load_config(PRIME)
     assert needs_prm(cfg) and needs_reference(cfg) and not needs_critic(cfg)
-    assert cfg.prm.beta == 0.05 and cfg.algorithm.estimator_options()["process_coef"] == 1.0
+    assert cfg.prm.beta == 0.05 and cfg.algorithm.estimator_options()["process_coef"] == 0.2
     # the reference the PRM's rewards are measured against is loaded even without a KL term
     assert needs_reference(load_config(PRIME, ["actor.use_kl_loss=false"]))
     assert not needs_prm(load_config(CONFIGS / "quickstart.yaml"))
