@@ -180,7 +180,7 @@ def test_prime_refusals_name_the_fix() -> None:
     ):
         load_config(PRIME, ["algorithm.prime_outcome_coef=0", "algorithm.prime_process_coef=0"])
     with pytest.raises(ConfigError, match=r"adv_estimator=prime compares responses.*rollout\.n >= 2"):
-        load_config(PRIME, ["rollout.n=1", "rollout.temperature=1.0"])
+        load_config(PRIME, ["rollout.n=1", "rollout.temperature=1.0", "algorithm.dynamic_sampling=false"])
     with pytest.raises(ConfigError, match=r"prime rewards the tokens of single-turn.*env section.*use grpo"):
         tiny_vla_config(Path("model"), Path("run"), "algorithm.adv_estimator=prime")
     agent = CONFIGS / "quickstart_agent.yaml"
