@@ -229,7 +229,7 @@ def train(
     run = RUNS[name]
     if run.task is None:
         return _train_episodes(run, root, model_dir, seed, extra)
-    data = _task_data(run.task, root / "data")
+    data = task_data(run.task, root / "data")
     out = root / "run"
     args = [
         "train",
@@ -257,7 +257,7 @@ def train(
 _RENDERED: dict[Callable[[Path], None], Path] = {}
 
 
-def _task_data(task: Callable[[Path], None], fresh: Path) -> Path:
+def task_data(task: Callable[[Path], None], fresh: Path) -> Path:
     """The folder holding `task`'s data, rendered into `fresh` the first time this process asks for it."""
     if task not in _RENDERED or not (_RENDERED[task] / "train.jsonl").exists():
         task(fresh)

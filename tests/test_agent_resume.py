@@ -1,7 +1,9 @@
 """An agent run (multi-turn trajectories with tool calls) stopped at step 2 and resumed with `--resume`
 ends exactly where an uninterrupted run does: the agent source's data cursor, the RNG its turns are
 sampled with and the optimizer all come back. The runs warm up on scripted zoom trajectories first, so
-the policy really calls the tool and the resumed steps run tools too."""
+the policy really calls the tool and the resumed steps run tools too. They run after the zoom learning
+test on its worker (one xdist group), on its data and with its warm-up, which the shared warm-up cache
+then holds: no warm-up of their own."""
 
 from __future__ import annotations
 
@@ -9,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from learning_runs import warmup_cache
+from learning_runs import task_data, warmup_cache, zoom_task
 
 from mmrl.cli import main
-from mmrl.data.synthetic_zoom import generate_zoom
 from mmrl.models import load_policy
 from mmrl.run.logger import read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_resume")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("zoom")]  # after test_zoom_learning.py
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart_agent.yaml")
 STEPS = 4
@@ -27,21 +28,17 @@ def scramble(sample, **kwargs):
 '''
 
 
-def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
+def _overrides(root: Path, data: Path, model: Path, out: Path, steps: int) -> list[str]:
     return [
         f"model.path={model}",
-        f"data.train_files={root / 'data' / 'train.jsonl'}",
-        f"data.val_files={root / 'data' / 'val.jsonl'}",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
         f"trainer.output_dir={out}",
         f"trainer.total_steps={steps}",
         "trainer.save_every=2",
         "actor.lr_schedule=constant",
         "trainer.val_every=0",
         "trainer.val_before_train=false",
-        # Loss 0.10 and every first turn a call here; 60 steps at 1e-2 (loss 1.2) or 3e-3 (1.1) left
-        # the policy answering without a call on one CPU, so the margin is kept (docs/benchmarks.md, "Agents").
-        "warmup.steps=100",
-        "warmup.batch_size=16",
         "data.train_batch_size=4",
         "actor.mini_batch_size=2",  # two optimizer steps per batch: old log-probs are recomputed
         "actor.ppo_epochs=1",
@@ -56,12 +53,12 @@ def _overrides(root: Path, model: Path, out: Path, steps: int) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("agent_resume")
-    generate_zoom(root / "data", n_train=64, n_val=8, seed=0)
+    data = task_data(zoom_task, root / "data")  # the zoom test's, where it ran first
     (root / "reward.py").write_text(REWARD)
     a, b = root / "a", root / "b"
-    assert main(["train", CONFIG, *_overrides(root, tiny_model_dir, a, STEPS)]) == 0
-    assert main(["train", CONFIG, *_overrides(root, tiny_model_dir, b, 2)]) == 0
-    assert main(["train", CONFIG, *_overrides(root, tiny_model_dir, b, STEPS), "--resume"]) == 0
+    assert main(["train", CONFIG, *_overrides(root, data, tiny_model_dir, a, STEPS)]) == 0
+    assert main(["train", CONFIG, *_overrides(root, data, tiny_model_dir, b, 2)]) == 0
+    assert main(["train", CONFIG, *_overrides(root, data, tiny_model_dir, b, STEPS), "--resume"]) == 0
     return {"a": a, "b": b}
 
 

@@ -16,6 +16,7 @@ from learning_runs import RUNS, rise, train, validations
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
+@pytest.mark.xdist_group("zoom")  # test_agent_resume.py follows on this worker and reuses its warm-up
 def test_grpo_teaches_the_agent_quickstart_to_zoom_and_read(tmp_path, tiny_model_dir) -> None:
     run = RUNS["zoom"]
     records = train("zoom", tmp_path, tiny_model_dir)
