@@ -31,7 +31,7 @@ from mmrl.run.resume import (
     truncate_metrics,
 )
 from mmrl.run.signals import RunInterrupted, StopSignals
-from mmrl.run.timing import PhaseTimer
+from mmrl.run.timing import HEAP_RELEASE_EVERY, PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
 from mmrl.training.critic import critic_plan, update_critic
@@ -272,7 +272,8 @@ class Trainer:
                     stats.skipped_steps,
                     stats.steps,
                 )
-        metrics.update(timer.metrics(tokens=token_count(batch)))
+        release = self.step % HEAP_RELEASE_EVERY == 0
+        metrics.update(timer.metrics(tokens=token_count(batch), release_heap=release))
         return metrics
 
     def _small_state(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from PIL import Image
 from mmrl.cli import main
 from mmrl.data.synthetic import generate
 from mmrl.run import checkpoint as ckpt
+from mmrl.run.timing import current_rss_gb, release_freed_memory
 
 TMPFS_MB = 12  # one checkpoint of the tiny model is ~8 MB: the second does not fit
 RSS_GROWTH_BOUND_MB = 50
@@ -101,6 +102,25 @@ def test_a_disk_that_fills_up_while_checkpointing_simulated(
     args = overrides(tiny_model_dir, colour_task["train"], run, colour_task["reward"], 3)
     code = main(["train", CONFIG, *args, *SAVE_EVERY_STEP])
     _check_full_disk_outcome(run, code, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="memory/rss_gb is read from Linux's /proc")
+def test_freed_heap_memory_goes_back_to_the_os() -> None:
+    """A step frees blocks of many sizes, and glibc keeps what was freed for reuse: the trainer hands it
+    back every `HEAP_RELEASE_EVERY` steps, so a long run's resident size does not drift up."""
+    base = current_rss_gb()
+    blocks = [torch.ones(16_000) for _ in range(4000)]  # 64 KB each (below glibc's mmap threshold): 256 MB
+    kept = blocks[::10]  # live blocks between the freed ones keep glibc from trimming the heap by itself
+    del blocks
+    held = current_rss_gb() - base
+    release_freed_memory()
+    after = current_rss_gb() - base
+    assert len(kept) == 400
+    if held < 0.15:  # not glibc, or an allocator that returned the blocks already: nothing to test
+        pytest.skip(f"the freed blocks were not kept resident ({held * 1024:.0f} MB)")
+    assert after < held / 2, (
+        f"resident after freeing {held * 1024:.0f} MB, after the release {after * 1024:.0f}"
+    )
 
 
 @pytest.mark.slow
