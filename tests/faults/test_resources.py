@@ -108,6 +108,7 @@ def test_a_disk_that_fills_up_while_checkpointing_simulated(
 def test_freed_heap_memory_goes_back_to_the_os() -> None:
     """A step frees blocks of many sizes, and glibc keeps what was freed for reuse: the trainer hands it
     back every `HEAP_RELEASE_EVERY` steps, so a long run's resident size does not drift up."""
+    release_freed_memory()  # from a heap without free pages, so that the blocks below take new ones
     base = current_rss_gb()
     blocks = [torch.ones(16_000) for _ in range(4000)]  # 64 KB each (below glibc's mmap threshold): 256 MB
     kept = blocks[::10]  # live blocks between the freed ones keep glibc from trimming the heap by itself
