@@ -9,6 +9,8 @@ can take them: rows with images, videos, text only and a mixed batch, with respo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from unittest import mock
 
@@ -66,43 +68,52 @@ def _forward_backward(
     Without `shared` each response runs its own copy of its prompt, as the plain padded forward does."""
     model.zero_grad(set_to_none=True)
     routers = [] if router and family_of(model).mixture_of_experts else None
-    with (
-        mock.patch("mmrl.training.forward.shared_prompts", return_value=None)
-        if not shared
-        else _spy() as used
-    ):
+    with _sharing(shared):
         logp, _ = forward_logprobs(model, batch, pad_id, router_losses=routers, padding_free=padding_free)
-    if shared:
-        assert used.called, "the shared-prompt forward should have run"
     mask = batch["response_mask"].bool()
     (logp * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logp.detach()[mask], grads, float(routers[0]) if routers else None
+    return logp.detach()[mask], grads, float(routers[0].detach()) if routers else None
 
 
-def _spy():
-    """Watches the shared-prompt forward run, leaving it as it is."""
+@contextmanager
+def _sharing(on: bool) -> Iterator[None]:
+    """With `on`, the forward shares prompts, and the test checks that it did; without, every response
+    runs its own copy of its prompt, as the plain padded forward does."""
     from mmrl.training import forward
 
-    return mock.patch.object(forward, "shared_prompt_hidden", wraps=forward.shared_prompt_hidden)
+    if not on:
+        with mock.patch.object(forward, "shared_prompts", return_value=None):
+            yield
+        return
+    found, real = [], forward.shared_prompts
+    with mock.patch.object(
+        forward, "shared_prompts", lambda *a, **k: found.append(real(*a, **k)) or found[-1]
+    ):
+        yield
+    assert any(s is not None for s in found), "the forward should have shared the prompts"
 
 
-def _assert_packed_equals_padded(model, batch: Batch, pad_id: int, shared: bool = False) -> None:
-    """Packed (or, with `shared`, shared-prompt) and padded log-probs agree to 1e-5; every parameter's
-    gradient and the router loss agree to 1e-5 relative (vision tower, language model, LM head)."""
+def _assert_packed_equals_padded(
+    model, batch: Batch, pad_id: int, shared: bool = False, packed: bool | None = None
+) -> None:
+    """Packed (by default without `shared`) or shared-prompt forwards' log-probs agree with the plain padded
+    forward's to 1e-5; every parameter's gradient and the router loss agree to 1e-5 relative (vision
+    tower, language model, LM head)."""
+    packed = not shared if packed is None else packed
     padded, padded_grads, padded_router = _forward_backward(model, batch, pad_id, False, router=not shared)
-    packed, packed_grads, packed_router = _forward_backward(
-        model, batch, pad_id, not shared, shared=shared, router=not shared
+    other, other_grads, other_router = _forward_backward(
+        model, batch, pad_id, packed, shared=shared, router=not shared
     )
-    diff = float((packed - padded).abs().max())
+    diff = float((other - padded).abs().max())
     assert diff < 1e-5, f"max |packed - padded| log-prob = {diff:.2e}"
-    assert padded_grads.keys() == packed_grads.keys()
+    assert padded_grads.keys() == other_grads.keys()
     worst = max(
-        float((a - packed_grads[n]).norm() / a.norm().clamp(min=1e-12)) for n, a in padded_grads.items()
+        float((a - other_grads[n]).norm() / a.norm().clamp(min=1e-12)) for n, a in padded_grads.items()
     )
     assert worst < 1e-5, f"largest relative gradient difference {worst:.2e}"
     if padded_router is not None:  # a mixture of experts: load balance over the same tokens
-        assert packed_router == pytest.approx(padded_router, rel=1e-5)
+        assert other_router == pytest.approx(padded_router, rel=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -112,17 +123,25 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, 
     _assert_packed_equals_padded(model, _batch(prompts, seed=len(prompts)), processor.tokenizer.pad_token_id)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["cached", "packed"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", VL_FAMILIES)
-def test_shared_prompt_logprobs_and_gradients_equal_padded(tiny_family_dir, name: str, case: str) -> None:
+def test_shared_prompt_logprobs_and_gradients_equal_padded(
+    tiny_family_dir, name: str, case: str, packed: bool
+) -> None:
+    """Each prompt run once for its responses, through a cache of its keys and values or packed before
+    them in one sequence."""
     model, processor, prompts = _prompts(tiny_family_dir, name, CASES[case])
     batch = _batch(prompts, seed=len(prompts))
-    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True)
+    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True, packed=packed)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["cached", "packed"])
 @pytest.mark.parametrize("responses", [1, 2])
 @pytest.mark.parametrize("name", VL_FAMILIES)
-def test_prompts_that_start_alike_share_their_common_text_exactly(tiny_family_dir, name, responses) -> None:
+def test_prompts_that_start_alike_share_their_common_text_exactly(
+    tiny_family_dir, name, responses, packed
+) -> None:
     """Distinct prompts after one system prompt: its tokens run once for the micro-batch (stage 1), then
     each prompt's images and question (stage 2), then the responses (stage 3), at the padded numbers;
     with one response per prompt, stage 1 alone is shared."""
@@ -136,7 +155,7 @@ def test_prompts_that_start_alike_share_their_common_text_exactly(tiny_family_di
     sharing = shared_prompts(model, family_of(model), batch["prompt_index"].tolist(), batch, router=False)
     assert sharing is not None and sharing.common >= MIN_COMMON
     assert len(sharing.first) == len(prompts) and len(sharing.group) == responses * len(prompts)
-    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True)
+    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True, packed=packed)
 
 
 def test_the_switch_reaches_the_actor_reference_and_critic_forwards(tiny_family_dir, monkeypatch) -> None:
@@ -179,8 +198,8 @@ def test_packed_text_model_equals_padded(tiny_family_dir) -> None:
         PromptSample(i, encode_prompt(tokenizer, build_messages(q, 0), []), q, "7")
         for i, q in enumerate(questions)
     ]
-    for shared in (False, True):
-        _assert_packed_equals_padded(model, _batch(prompts, seed=0), tokenizer.pad_token_id, shared)
+    for shared, packed in ((False, True), (True, False), (True, True)):
+        _assert_packed_equals_padded(model, _batch(prompts, seed=0), tokenizer.pad_token_id, shared, packed)
 
 
 def test_packed_positions_restart_per_sequence_and_keep_the_mrope_rows() -> None:

@@ -211,12 +211,14 @@ class Family:
         media: dict[str, Any],
         router_losses: list[torch.Tensor] | None = None,
         cache: Any = None,
+        attention_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Last hidden states of the model's own forward, with the media encoded beforehand
         (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path.
         A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss.
         No `attention` for packed rows (`mmrl.training.packing`): the positions keep the sequences apart.
-        A `cache` holds earlier tokens' keys and values; the forward attends to them and appends its own."""
+        A `cache` holds earlier tokens' keys and values; the forward attends to them and appends its own.
+        `attention_kwargs` reach every attention layer (`mmrl.training.segments`' plan)."""
         extra = {"output_router_logits": True} if router_losses is not None else {}
         if media and not _takes_encoded_media():
             # Older versions take **kwargs and drop the encoded media without a word: the policy
@@ -234,6 +236,7 @@ class Family:
             past_key_values=cache,
             use_cache=cache is not None,
             **extra,
+            **(attention_kwargs or {}),
         )
         if router_losses is not None:
             router_losses.append(self.router_loss(out.router_logits, attention))

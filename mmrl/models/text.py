@@ -87,6 +87,7 @@ class TextLM(Family):
         media: dict[str, Any],
         router_losses: list[torch.Tensor] | None = None,
         cache: Any = None,
+        attention_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         if media:
             self.grid()
@@ -98,6 +99,7 @@ class TextLM(Family):
             position_ids=positions,
             past_key_values=cache,
             use_cache=cache is not None,
+            **(attention_kwargs or {}),
         )
         return out.last_hidden_state
 

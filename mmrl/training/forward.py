@@ -25,7 +25,8 @@ from mmrl.processors import TRANSFORMERS_RULE
 from mmrl.training.media import PromptMedia
 from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
 from mmrl.training.packing import pack, unpack
-from mmrl.training.shared_prompt import shared_prompt_hidden, shared_prompts
+from mmrl.training.segments import PLAN, SegmentPlan, segment_attention
+from mmrl.training.shared_prompt import packed_media, shared_prompt_hidden, shared_prompts
 
 SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
 
@@ -61,22 +62,58 @@ def response_hidden(
     attention = torch.cat([prompt_mask, batch.attention.long()], dim=1)
     rules = batch.lists.get(POSITION_RULE, TRANSFORMERS_RULE)
     positions = family.position_ids(prompts, input_ids, attention, rules)
-    sharing = None if padding_free else shared_prompts(model, family, rows, batch, router_losses is not None)
-    if sharing is not None:
-        media = PromptMedia(family, model, batch.prompts, rows)
-        return shared_prompt_hidden(model, family, sharing, prompt_ids, prompt_mask, batch, positions, media)
-    media = PromptMedia(family, model, batch.prompts, rows).of_rows(rows)
     if padding_free:
-        packed = pack(input_ids, attention, positions, prompt_ids.shape[1])
-        hidden = family.hidden_states(
-            model, packed.input_ids.to(device), None, packed.positions.to(device), media, router_losses
+        return packed_hidden(
+            model, batch, input_ids, attention, positions, prompt_ids.shape[1], router_losses
         )
-        return unpack(hidden, packed)
+    sharing = shared_prompts(model, family, rows, batch, router_losses is not None)
+    media = PromptMedia(family, model, batch.prompts, rows)
+    if sharing is not None:
+        return shared_prompt_hidden(model, family, sharing, prompt_ids, prompt_mask, batch, positions, media)
     hidden = family.hidden_states(
-        model, input_ids.to(device), attention.to(device), positions.to(device), media, router_losses
+        model,
+        input_ids.to(device),
+        attention.to(device),
+        positions.to(device),
+        media.of_rows(rows),
+        router_losses,
     )
     start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
     return hidden[:, start : start + response.shape[1]]
+
+
+def packed_hidden(
+    model: Any,
+    batch: Batch,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    positions: torch.Tensor,
+    prompt_width: int,
+    router_losses: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`response_hidden` of the padded rows (`input_ids`, `attention`, `positions`; `prompt_width` prompt
+    columns) packed into one sequence: each group's prompt once where rows share it, and attention by
+    segment (`mmrl.training.segments`). Under gradient checkpointing, which re-runs each layer's forward
+    in the backward pass outside the segment attention, rows are packed whole and kept apart by their
+    positions (transformers' own packed attention)."""
+    device = next(model.parameters()).device
+    family = family_of(model)
+    rows = batch["prompt_index"].tolist()
+    by_segment = not getattr(model, "is_gradient_checkpointing", False)
+    sharing = (
+        shared_prompts(model, family, rows, batch, router_losses is not None, packed=True)
+        if by_segment
+        else None
+    )
+    packed = pack(input_ids, attention, positions, prompt_width, sharing)
+    media = PromptMedia(family, model, batch.prompts, rows)
+    shown = media.of_rows(rows) if sharing is None else packed_media(sharing, rows, media)
+    args = (model, packed.input_ids.to(device), None, packed.positions.to(device), shown, router_losses)
+    if not by_segment:
+        return unpack(family.hidden_states(*args), packed)
+    plan = SegmentPlan(packed.segments, device)
+    with segment_attention(family.language_model(model)):
+        return unpack(family.hidden_states(*args, attention_kwargs={PLAN: plan}), packed)
 
 
 def response_logits(

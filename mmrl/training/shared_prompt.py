@@ -44,19 +44,22 @@ class Sharing:
     prompt_images: list[int]
 
 
-def shared_prompts(model: Any, family: Family, rows: list[int], batch: Batch, router: bool) -> Sharing | None:
+def shared_prompts(
+    model: Any, family: Family, rows: list[int], batch: Batch, router: bool, packed: bool = False
+) -> Sharing | None:
     """How this micro-batch's rows share prompts, or None where the shared-prompt forward should not run:
     nothing worth sharing, a layer whose state is not its keys and values (a recurrent layer would need
     its state carried per row), a video in a response, an MoE router loss (it would count shared tokens
     once, not per row), gradient checkpointing (transformers drops the cache under it), or a policy
     sharded over several processes: FSDP's gathers must come in the same order on every rank, and another
-    rank's micro-batch may not share.
+    rank's micro-batch may not share. Rows `packed` into one sequence (`mmrl.training.packing`) share in
+    one forward, so neither of the last two stands in their way.
 
     Rows share a prompt when they point at one prompt sample, or, for an agent's trajectories, when they
     are of one group (`group_index`) with the same prompt tokens and prompt pixels."""
     if not family.prefix_cache or router or not batch["response_ids"].shape[1]:
         return None
-    if getattr(model, "is_gradient_checkpointing", False) or _sharded():
+    if not packed and (getattr(model, "is_gradient_checkpointing", False) or _sharded()):
         return None
     tokens = family.media_token_ids() if family.takes_images else {}
     if "video" in tokens and bool((batch["response_ids"] == tokens["video"]).any()):
@@ -134,6 +137,19 @@ def shared_prompt_hidden(
     )
     # The prompt's last state predicts the first response token; each response state the next.
     return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
+
+
+def packed_media(sharing: Sharing, rows: list[int], media: PromptMedia) -> dict[str, Any]:
+    """The media of a micro-batch packed with `sharing` (`mmrl.training.packing.pack`), in the order its
+    placeholders come: each group's prompt images and videos once, then the images of its rows' responses."""
+    images: list[int] = []
+    videos: list[int] = []
+    for g, first in enumerate(sharing.first):
+        images += media.items("image", rows[first])[: sharing.prompt_images[first]]
+        videos += media.items("video", rows[first])
+        for r in (r for r, group in enumerate(sharing.group) if group == g):
+            images += media.items("image", rows[r])[sharing.prompt_images[r] :]
+    return media.take({"image": images, "video": videos})
 
 
 def prompt_states(
