@@ -433,7 +433,7 @@ def test_a_groups_trajectories_share_their_first_prompts_forward_exactly(tiny: A
     """Two prompts, three trajectories each, zooming onto different boxes (so each response holds its own
     tool image) and answering differently: the shared-prompt forward runs the tool preamble both prompts
     start with once, each first prompt once, and gives the padded forward's log-probs and gradients
-    (`mmrl.training.shared_prompt`)."""
+    (`mmrl.training.shared_prompt`), through a cache or packed in one sequence (`actor.padding_free`)."""
     from mmrl.models import family_of
     from mmrl.rollout import HFEngine
     from mmrl.training import forward
@@ -455,22 +455,24 @@ def test_a_groups_trajectories_share_their_first_prompts_forward_exactly(tiny: A
     assert sharing is not None and sharing.common >= MIN_COMMON and sharing.group == [0, 0, 0, 1, 1, 1]
     pad_id = processor.tokenizer.pad_token_id
 
-    def run(shared: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(shared: bool, packed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        spy = mock.patch.object(forward, "shared_prompt_hidden", wraps=forward.shared_prompt_hidden)
+        target = "packed_media" if packed else "shared_prompt_hidden"
+        spy = mock.patch.object(forward, target, wraps=getattr(forward, target))
         plain = mock.patch.object(forward, "shared_prompts", return_value=None)
         with spy if shared else plain as watched:
-            logp, _ = forward.forward_logprobs(model, batch, pad_id)
+            logp, _ = forward.forward_logprobs(model, batch, pad_id, padding_free=packed)
         assert watched.called
         (logp * batch["response_mask"]).sum().backward()
         return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    (padded, padded_grads), (shared, shared_grads) = run(False), run(True)
+    padded, padded_grads = run(False)
     mask = batch["response_mask"].bool()
-    assert (shared - padded)[mask].abs().max() < 1e-5
-    assert padded_grads.keys() == shared_grads.keys()
-    for name, grad in padded_grads.items():
-        assert (shared_grads[name] - grad).norm() <= 1e-5 * grad.norm().clamp(min=1e-12), name
+    for shared, shared_grads in (run(True), run(True, packed=True)):  # through a cache, or packed
+        assert (shared - padded)[mask].abs().max() < 1e-5
+        assert padded_grads.keys() == shared_grads.keys()
+        for name, grad in padded_grads.items():
+            assert (shared_grads[name] - grad).norm() <= 1e-5 * grad.norm().clamp(min=1e-12), name
 
 
 def test_the_first_failure_of_each_tool_and_kind_is_printed_with_its_message(caplog) -> None:

@@ -131,7 +131,8 @@ def test_two_fsdp_workers_update_exactly_like_one_process(
 
 def test_token_budget_workers_update_and_score_like_one_process(local_ray, tmp_path, tiny_model_dir) -> None:
     """`actor.max_tokens_per_micro_batch`: the ranks' shares are balanced by tokens, not rows, and each
-    rank runs as many micro-batches as the other (FSDP); weights and scores are still one process's."""
+    rank runs as many micro-batches as the other (FSDP); weights and scores are still one process's. The
+    rows run packed (`actor.padding_free`), each prompt once before its responses, as budgets are used."""
     generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
     cfg = _cfg(tiny_model_dir, tmp_path / "data")
     batch = _scored_batch(cfg)
@@ -139,6 +140,7 @@ def test_token_budget_workers_update_and_score_like_one_process(local_ray, tmp_p
     mask = batch["response_mask"] * (torch.arange(width) < (torch.arange(len(batch)) % (width + 1))[:, None])
     batch.set(response_mask=mask)  # responses of 0 to 8 tokens: uneven shares and micro-batch counts
     cfg.actor.max_tokens_per_micro_batch = budget = 160  # 4 rows of 35-token prompts and short answers
+    cfg.actor.padding_free = True
     torch.manual_seed(1)
     plan = update_plan(cfg).minibatches(batch)
     lengths = row_lengths(batch)

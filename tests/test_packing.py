@@ -29,6 +29,7 @@ from mmrl.training.critic import Critic, ValueModel
 from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
 from mmrl.training.packing import pack
+from mmrl.training.segments import Segment, SegmentPlan
 
 VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 CASES = {"images": ["image", "images"], "video": ["video"], "text": ["text"], "mixed": None}
@@ -158,6 +159,23 @@ def test_prompts_that_start_alike_share_their_common_text_exactly(
     _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True, packed=packed)
 
 
+@pytest.mark.parametrize("include_vision", [False, True], ids=["language", "vision"])
+def test_lora_adapters_packed_and_shared_equal_padded(tiny_family_dir, include_vision: bool) -> None:
+    """The adapters' log-probs and gradients with each prompt packed once before its responses: those of
+    the plain padded forward (adapters on the language model, and on the vision tower too)."""
+    from mmrl.config.model import LoraConfig
+    from mmrl.training.lora import apply_lora
+
+    model, processor, prompts = _prompts(tiny_family_dir, "qwen2_5_vl", CASES["mixed"])
+    apply_lora(model, LoraConfig(rank=4, include_vision=include_vision))  # in place, as the trainer uses it
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0, where the adapters would not change the numbers
+            p.data = torch.randn(p.shape, generator=gen) * 0.1
+    batch = _batch(prompts, seed=2)
+    _assert_packed_equals_padded(model, batch, processor.tokenizer.pad_token_id, shared=True, packed=True)
+
+
 def test_the_switch_reaches_the_actor_reference_and_critic_forwards(tiny_family_dir, monkeypatch) -> None:
     """`actor.padding_free` runs the critic's values, the actor's (and so the reference's) log-probs and
     the update's loss and gradient packed, over several micro-batches, at the padded numbers."""
@@ -214,6 +232,37 @@ def test_packed_positions_restart_per_sequence_and_keep_the_mrope_rows() -> None
     assert packed.valid.tolist() == [[True, True, False], [True, False, False]]
     with pytest.raises(ValueError, match="holes"):
         pack(ids, torch.tensor([[0, 1, 1, 1, 0, 1], [1, 1, 1, 1, 0, 0]]), mrope, prompt_width=3)
+
+
+def test_segment_attention_equals_attention_under_the_dense_mask() -> None:
+    """Each segment attends causally to itself and wholly to its context, as under the (N, N) mask it
+    replaces; runs of equal segments (a group's equal-length responses, same-size rows) go as one batch."""
+    c, p1 = range(0, 3), range(3, 6)
+    segments = [
+        Segment(0, 3),  # text every prompt starts with
+        Segment(3, 6, (c,)),  # a group's prompt
+        Segment(6, 9, (c, p1)),  # its responses: two of three tokens (one run), one of two
+        Segment(9, 12, (c, p1)),
+        Segment(12, 14, (c, p1)),
+        Segment(14, 17),  # rows packed whole: two of three tokens (one run), one of one
+        Segment(17, 20),
+        Segment(20, 21),
+    ]
+    plan = SegmentPlan(segments, "cpu")
+    assert [(r.start, r.count) for r in plan.runs] == [(0, 1), (3, 1), (6, 2), (12, 1), (14, 2), (20, 1)]
+    dense = torch.zeros(21, 21, dtype=torch.bool)
+    for s in segments:
+        own = torch.arange(s.start, s.end)
+        dense[own[:, None], own[None]] = torch.ones(len(own), len(own), dtype=torch.bool).tril()
+        for context in s.context:
+            dense[own[:, None], torch.tensor(list(context))[None]] = True
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 21, 8, generator=gen) for heads in (4, 2, 2))  # grouped-query heads
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    got = plan.attend(q, k, v, scaling=None, dropout=0.0)
+    torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="in order"):
+        SegmentPlan([Segment(0, 2), Segment(3, 4)], "cpu")
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])

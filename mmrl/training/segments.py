@@ -39,30 +39,21 @@ class Segment:
 
 
 class SegmentPlan:
-    """Segments covering a packed sequence in order, with the key columns and masks of those that continue
-    a context built once per forward, for all of its layers."""
+    """Segments covering a packed sequence in order, run by run: consecutive segments of one length that
+    continue the same context (a group's responses of equal length, frames of equal size) attend as one
+    batch. Key columns and masks are built once per forward, for all of its layers."""
 
     def __init__(self, segments: Sequence[Segment], device: torch.device | str) -> None:
         if [s.start for s in segments] != [0, *(s.end for s in segments[:-1])]:
             raise ValueError("segments must cover the packed sequence in order")
-        self.segments = list(segments)
-        self.keys: list[torch.Tensor | None] = []
-        self.masks: list[torch.Tensor | None] = []
+        self.length = segments[-1].end if segments else 0
+        self.runs: list[_Run] = []
         for s in segments:
-            before = [c for r in s.context for c in r]
-            if not before:
-                self.keys.append(None)
-                self.masks.append(None)
-                continue
-            own = s.end - s.start
-            self.keys.append(torch.tensor([*before, *range(s.start, s.end)], device=device))
-            causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
-            seen = torch.ones(own, len(before), dtype=torch.bool, device=device)
-            self.masks.append(torch.cat([seen, causal], dim=1))
-
-    @property
-    def length(self) -> int:
-        return self.segments[-1].end if self.segments else 0
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last.width == s.end - s.start and last.context == s.context:
+                last.count += 1
+            else:
+                self.runs.append(_Run(s.start, 1, s.end - s.start, s.context, device))
 
     def attend(
         self,
@@ -76,23 +67,50 @@ class SegmentPlan:
         dim), each segment on its own keys."""
         gqa = key.shape[1] != query.shape[1]
         outputs = []
-        for s, keys, mask in zip(self.segments, self.keys, self.masks, strict=True):
-            q = query[:, :, s.start : s.end]
-            k = key[:, :, s.start : s.end] if keys is None else key.index_select(2, keys)
-            v = value[:, :, s.start : s.end] if keys is None else value.index_select(2, keys)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=dropout,
-                    is_causal=mask is None and s.end - s.start > 1,
-                    scale=scaling,
-                    enable_gqa=gqa,
-                )
+        for run in self.runs:
+            q, k, v = run.rows(query), run.keys(key), run.keys(value)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=run.mask,
+                dropout_p=dropout,
+                is_causal=run.mask is None and run.width > 1,
+                scale=scaling,
+                enable_gqa=gqa,
             )
-        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+            outputs.append(
+                out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[-1])
+            )  # heads, columns, dim
+        return torch.cat(outputs, dim=1)[None].transpose(1, 2).contiguous()
+
+
+class _Run:
+    """`count` consecutive segments of `width` columns from `start`, all continuing `context`."""
+
+    def __init__(self, start: int, count: int, width: int, context: tuple[range, ...], device: Any) -> None:
+        self.start, self.count, self.width, self.context = start, count, width, context
+        before = [c for r in context for c in r]
+        self.before = torch.tensor(before, device=device) if before else None
+        self.mask = None
+        if before:
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            self.mask = torch.cat(
+                [torch.ones(width, len(before), dtype=torch.bool, device=device), causal], 1
+            )
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The run's columns of x (1, heads, N, dim) as a batch (count, heads, width, dim)."""
+        own = x[0, :, self.start : self.start + self.count * self.width]
+        return own.unflatten(1, (self.count, self.width)).transpose(0, 1)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys (or values) each segment attends to: the context's columns, then its own."""
+        own = self.rows(x)
+        if self.before is None:
+            return own
+        context = x[0].index_select(1, self.before)[None].expand(self.count, -1, -1, -1)
+        return torch.cat([context, own], dim=2)
 
 
 def _segment_attention(
