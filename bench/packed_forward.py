@@ -8,6 +8,9 @@ are random ordinary tokens of lengths set by `--lengths` (`cap`: all `--max-len`
 timed `--repeats` times after one untimed run; the table gives the median and the ratio to mmrl's default.
 
     .venv/bin/python bench/packed_forward.py --threads 1 --lengths spread --out /tmp/packed_forward.json
+    .venv/bin/python bench/packed_forward.py --model tiny --image-size 112 --groups 8 --n 4 --max-len 8
+
+`--model tiny` is the quickstart's 0.7 M-parameter model, where per-call overhead, not compute, decides.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="prompts in the micro-batch")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt")
     parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument(
+        "--model", choices=("realistic", "tiny"), default="realistic", help="tiny: the quickstart's model"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from the table's rows")
@@ -123,7 +129,8 @@ def main() -> None:
     layouts = args.layouts.split(",")
     with tempfile.TemporaryDirectory(prefix="mmrl-packed-") as tmp:
         folder = Path(tmp) / "model"
-        build_tiny(folder, max_pixels=args.image_size**2, text=REALISTIC_TEXT, vision=REALISTIC_VISION)
+        sizes = {"text": REALISTIC_TEXT, "vision": REALISTIC_VISION} if args.model == "realistic" else {}
+        build_tiny(folder, max_pixels=args.image_size**2, **sizes)
         model = load_policy(folder).train()
         pad_id = load_processor(folder).tokenizer.pad_token_id
         batch = build_batch(folder, args.image_size, args.groups, args.n, args.lengths, args.max_len)

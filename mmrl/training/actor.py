@@ -169,12 +169,13 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
             f"actor.padding_free: {family.name} models have recurrent (Gated DeltaNet) layers that would "
             "carry their state from one packed sequence into the next; set it to false"
         )
-    if cfg.actor.padding_free and next(model.parameters()).device.type == "cpu":
+    checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if cfg.actor.padding_free and checkpointing and next(model.parameters()).device.type == "cpu":
         log.warning(
-            "actor.padding_free on a CPU: transformers keeps packed sequences apart there with a dense "
-            "block-diagonal mask over the whole pack, which costs more than the padding it saves (the "
-            "update ran at 0.60x the padded speed at a 108M-parameter shape, docs/benchmarks.md). On GPUs "
-            "flash-attention's varlen kernels skip the padding instead; here, padded is faster"
+            "actor.padding_free with gradient checkpointing on a CPU: the recomputed forward cannot run "
+            "mmrl's per-sequence attention, so transformers keeps packed sequences apart with a dense mask "
+            "over the whole pack, which costs more than the padding it saves (0.60x the padded update at a "
+            "108M-parameter shape, docs/benchmarks.md); turn one of them off"
         )
     return Actor(
         model,

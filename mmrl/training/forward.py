@@ -49,9 +49,9 @@ def response_hidden(
     different inputs. transformers and vLLM place the text after a long video differently
     (`mmrl.processors.rope`); rows without a rule were sampled by the HF engine. Run under `autocast_for`.
     `router_losses` collects a mixture-of-experts model's load-balancing loss (`Family.hidden_states`).
-    `padding_free` runs the rows packed into one sequence without pad tokens (`mmrl.training.packing`): the same
-    states, with no compute spent on padding. Otherwise a prompt with several responses in the micro-batch
-    runs once for all of them (`mmrl.training.shared_prompt`): the same states again."""
+    A prompt with several responses in the micro-batch runs once for all of them
+    (`mmrl.training.shared_prompt`): the same states. `padding_free` also packs the rows into one sequence
+    without pad tokens (`packed_hidden`): the same states again, with no compute spent on padding."""
     device = next(model.parameters()).device
     family = family_of(model)
     rows = batch["prompt_index"].tolist()
