@@ -11,7 +11,10 @@ IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
-_KINDS = {IMAGE_MARKER: "image", VIDEO_MARKER: "video", IMAGE_PAD: "image", VIDEO_PAD: "video"}
+# How Qwen's chat templates write an image and a video: each pad between the vision delimiters.
+IMAGE_PART = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
+VIDEO_PART = f"<|vision_start|>{VIDEO_PAD}<|vision_end|>"
+_KINDS = {IMAGE_MARKER: "image", VIDEO_MARKER: "video"}
 
 
 def split_image_markers(text: str, num_images: int) -> list[dict[str, Any]]:
@@ -75,12 +78,14 @@ def encode_prompt(
     tokens_per_image: Sequence[int],
     tokens_per_video: Sequence[int | str] = (),
     tools: Sequence[dict[str, Any]] | None = None,
+    pads: tuple[str, str] = (IMAGE_PAD, VIDEO_PAD),
 ) -> list[int]:
     """Render the chat template and tokenise, expanding each image and video pad to its feature count.
 
     A video's entry is its pad count, or the whole text that replaces its pad where the family puts
     text between frames (Qwen3-VL's timestamps: `mmrl.processors.video.timestamped_video_text`). `tools`
-    (JSON schemas) go to the template, which describes them and the call format in the system turn."""
+    (JSON schemas) go to the template, which describes them and the call format in the system turn.
+    `pads` are the image and video tokens as the template writes them (Qwen's unless the family's differ)."""
     extra = {"tools": list(tools)} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     if tools and not all(json.dumps(t["function"]["name"]) in text for t in tools):
@@ -89,7 +94,7 @@ def encode_prompt(
         text = tokenizer.apply_chat_template(
             with_tools_described(messages, tools), tokenize=False, add_generation_prompt=True
         )
-    return expand_pads(tokenizer, text, tokens_per_image, tokens_per_video)
+    return expand_pads(tokenizer, text, tokens_per_image, tokens_per_video, pads)
 
 
 def with_tools_described(
@@ -110,16 +115,20 @@ def with_tools_described(
 
 
 def expand_pads(
-    tokenizer: Any, text: str, tokens_per_image: Sequence[int], tokens_per_video: Sequence[int | str] = ()
+    tokenizer: Any,
+    text: str,
+    tokens_per_image: Sequence[int],
+    tokens_per_video: Sequence[int | str] = (),
+    pads: tuple[str, str] = (IMAGE_PAD, VIDEO_PAD),
 ) -> list[int]:
-    """Token ids of chat text whose image and video pads are expanded to their feature counts."""
-    pieces = re.split(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})", text)
-    counts = {IMAGE_PAD: list(tokens_per_image), VIDEO_PAD: list(tokens_per_video)}
-    for pad, per_item in counts.items():
+    """Token ids of chat text whose image and video `pads` are expanded to their feature counts."""
+    pieces = re.split(f"({'|'.join(map(re.escape, pads))})", text)
+    image, video = pads
+    counts = {image: list(tokens_per_image), video: list(tokens_per_video)}
+    for pad, kind in ((image, "image"), (video, "video")):
         found = pieces.count(pad)
-        if found != len(per_item):
-            kind = _KINDS[pad]
-            raise ValueError(f"chat template produced {found} {kind} pads for {len(per_item)} {kind}s")
+        if found != len(counts[pad]):
+            raise ValueError(f"chat template produced {found} {kind} pads for {len(counts[pad])} {kind}s")
     queues = {pad: iter(per_item) for pad, per_item in counts.items()}
     expanded = "".join(_expand(piece, next(queues[piece])) if piece in queues else piece for piece in pieces)
     return tokenizer(expanded, add_special_tokens=False)["input_ids"]
@@ -132,8 +141,7 @@ def _expand(pad: str, item: int | str) -> str:
 def user_turn_text(parts: Sequence[str | None]) -> str:
     """The chat text of a user turn after an assistant turn (an environment's observation), up to the next
     assistant turn's header; None stands for an image (one pad, expanded by `expand_pads`)."""
-    image = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
-    body = "".join(image if part is None else part for part in parts)
+    body = "".join(IMAGE_PART if part is None else part for part in parts)
     return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -141,8 +149,7 @@ def tool_response_text(parts: Sequence[str | None]) -> str:
     """The chat text of one tool-result turn after an assistant turn, up to the next assistant turn's
     header, in the Qwen format every supported family uses: a user turn of `<tool_response>` blocks.
     `parts` are one result each; None stands for an image (one pad, expanded by `expand_pads`)."""
-    image = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
     body = "\n".join(
-        f"<tool_response>\n{image if part is None else part}\n</tool_response>" for part in parts
+        f"<tool_response>\n{IMAGE_PART if part is None else part}\n</tool_response>" for part in parts
     )
     return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"

@@ -95,6 +95,7 @@ class Media:
             build_messages(text, len(images), system, num_videos=len(videos)),
             [num_image_tokens(i.height, i.width, self.images) for i in images],
             [family.video_placeholder(v, budget) for v in videos],
+            pads=family.media_pads,
         )
         sample = PromptSample(index, ids, text, "red", images=images)
         return with_pixels(sample, videos, processor.image_processor, processor.video_processor)
@@ -149,18 +150,12 @@ def frames(count: int, size: tuple[int, int]) -> np.ndarray:
     return rng.integers(0, 255, (count, size[1], size[0], 3), dtype=np.uint8)
 
 
-def _media_types(model, ids: torch.Tensor) -> torch.Tensor:
-    """transformers' `mm_token_type_ids`: 1 on image pads, 2 on video pads."""
-    cfg = model.config
-    return (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-
-
 def rope_index(model, prompts: list[PromptSample], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The model's own mRoPE position ids (`get_rope_index`) of a padded batch."""
     grids = vision_inputs(prompts)
     theirs, _ = model.model.get_rope_index(
         ids,
-        _media_types(model, ids),
+        family_of(model).media_token_types(ids),
         grids.get("image_grid_thw"),
         grids.get("video_grid_thw"),
         attention_mask=mask,
@@ -182,7 +177,7 @@ def plain_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
         media = {}
         if family.takes_images:
             media = {k: v for k, v in vision_inputs([prompt]).items() if k != "second_per_grid_ts"}
-            media["mm_token_type_ids"] = _media_types(model, ids)
+            media["mm_token_type_ids"] = family.media_token_types(ids)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **media).logits[0]
         start = len(prompt.prompt_ids) - 1

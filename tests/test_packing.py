@@ -31,7 +31,7 @@ from mmrl.training.optim import plan_minibatches
 from mmrl.training.packing import pack
 from mmrl.training.segments import Segment, SegmentPlan
 
-VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"]
 CASES = {"images": ["image", "images"], "video": ["video"], "text": ["text"], "mixed": None}
 WIDTH = 9  # the longest response
 

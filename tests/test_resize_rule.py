@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from transformers import Glm4vVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from mmrl.config import DataConfig
@@ -93,9 +94,13 @@ def test_images_are_sized_as_the_familys_image_processor_sizes_them(families, na
             assert fitted.size == _processed_size(image_processor, w, h, low, high), f"{label}: {w}x{h}"
         for w, h in LARGE:
             rh, rw = smart_size(h, w, budget)
-            patches = image_processor.get_number_of_image_patches(
-                h, w, {"min_pixels": low, "max_pixels": high}
-            )
+            # Qwen's processors read the bounds as min_pixels/max_pixels, GLM's as size.
+            bounds = {
+                "min_pixels": low,
+                "max_pixels": high,
+                "size": {"shortest_edge": low, "longest_edge": high},
+            }
+            patches = image_processor.get_number_of_image_patches(h, w, bounds)
             assert (rh // patch) * (rw // patch) == patches, f"{label}: {w}x{h}"
         rh, rw = smart_size(10000, 10000, budget)
         assert rh * rw <= high, f"{label}: 10000x10000 became {rw}x{rh}, over max_pixels={high}"
@@ -115,7 +120,7 @@ def test_what_the_image_processor_refuses_is_a_bad_image(families, name: str) ->
 
 @pytest.mark.parametrize("name", VL_FAMILIES)
 def test_video_frames_are_sized_as_the_familys_video_processor_sizes_them(families, name: str) -> None:
-    """Qwen2/2.5-VL's video processor bounds each frame's pixels, the Qwen3 line's a whole clip's."""
+    """Qwen2/2.5-VL's video processor bounds each frame's pixels, the Qwen3 line's and GLM's a whole clip's."""
     config, processor = families[name]
     family, video_processor = family_of(config), processor.video_processor
     grid = family.grid()
@@ -130,7 +135,7 @@ def test_video_frames_are_sized_as_the_familys_video_processor_sizes_them(famili
         temporal_patch_size=grid.temporal,
         rule=family.video_size_rule,
     )
-    per_clip = isinstance(video_processor, Qwen3VLVideoProcessor)  # its size bounds frames x pixels
+    per_clip = isinstance(video_processor, (Qwen3VLVideoProcessor, Glm4vVideoProcessor))  # frames x pixels
     for frames in (2, 8):
         share = min(budget.max_pixels, budget.max_total_pixels // frames)
         scale = frames if per_clip else 1

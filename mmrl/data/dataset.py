@@ -56,6 +56,7 @@ from mmrl.processors import (
     video_pad_count,
     video_pixel_inputs,
 )
+from mmrl.processors.chat import IMAGE_PAD, VIDEO_PAD
 from mmrl.rewards import ImageSize
 
 if TYPE_CHECKING:
@@ -113,7 +114,8 @@ def with_pixels(
 class PromptInputs:
     """What turns rows into a model's inputs besides the `data` section, all of it the model's or the
     run's: its tokenizer, its image and video processors and the pixel budgets sized on its grid, its
-    family's video placeholder (`Family.video_placeholder`), and for agent runs the tools (JSON schemas)
+    family's video placeholder (`Family.video_placeholder`) and image and video pad tokens as its chat
+    template writes them (`Family.media_pads`), and for agent runs the tools (JSON schemas)
     described in every prompt and whether each image is kept at full size too, for image tools. A
     text-only model's inputs are its tokenizer alone: no image processor and no pixel budget."""
 
@@ -123,6 +125,7 @@ class PromptInputs:
     video_budget: VideoBudget | None = None
     video_processor: Any = None
     video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count
+    media_pads: tuple[str, str] = (IMAGE_PAD, VIDEO_PAD)
     tools: Sequence[dict[str, Any]] = ()
     keep_originals: bool = False
 
@@ -339,7 +342,12 @@ class PromptDataset:
         bounds, which only tell a prompt that is too long whatever its media's sizes)."""
         try:
             ids = encode_prompt(
-                self.inputs.tokenizer, prompt.messages, counts, video_counts, self.inputs.tools
+                self.inputs.tokenizer,
+                prompt.messages,
+                counts,
+                video_counts,
+                self.inputs.tools,
+                self.inputs.media_pads,
             )
         except ValueError as err:  # e.g. a literal image-pad token typed into the question
             raise SkipRow("image_marker_mismatch", str(err)) from None

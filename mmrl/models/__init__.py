@@ -1,11 +1,11 @@
 """Model families behind one adapter (`family_of`), loading from folders or hub ids, and tiny builds.
 
-Each family module registers its adapter on import; the import order below is the order the
-README's supported-models table lists them in.
+Each family module registers its adapter on import.
 """
 
 from mmrl.models import (
-    qwen2_5_vl,  # noqa: F401  (registers the family)
+    glm4v,  # noqa: F401  (registers the family: glm4v and glm4v_moe)
+    qwen2_5_vl,  # noqa: F401
     qwen2_vl,  # noqa: F401
     qwen3_5,  # noqa: F401  (qwen3_5 and qwen3_5_moe)
     qwen3_vl,  # noqa: F401

@@ -33,6 +33,7 @@ from mmrl.processors import (
     mrope_position_ids,
     video_pad_count,
 )
+from mmrl.processors.chat import IMAGE_PAD, IMAGE_PART, VIDEO_PAD, VIDEO_PART
 
 FAMILIES: dict[str, type[Family]] = {}  # config.json `model_type` -> family
 
@@ -104,7 +105,17 @@ class Family:
     # size is the one the checkpoint's own processors give.
     image_size_rule: ClassVar[SizeRule] = staticmethod(smart_resize)
     video_size_rule: ClassVar[FrameRule] = staticmethod(frame_by_frame)
+    # The image and video tokens as the family's chat template writes them, each expanded to its item's
+    # tokens (or a video's text) in a prompt (`processors.encode_prompt`): what its processor calls them.
+    media_pads: ClassVar[tuple[str, str]] = (IMAGE_PAD, VIDEO_PAD)
     tiny_grid_factor: ClassVar[int] = 28  # patch x merge of the tiny build, for its default pixel budget
+    # The tiny build's tokenizer (Qwen's special tokens) adds these, and its chat template writes an image
+    # and a video part so: the family's own spelling where it is not Qwen's.
+    tiny_special_tokens: ClassVar[tuple[str, ...]] = ()
+    # Env observations and tool results are written as Qwen chat turns with Qwen's image tokens
+    # (`processors.chat.user_turn_text`); a family that reads other turns and tokens refuses env and agent runs.
+    qwen_turns: ClassVar[bool] = True
+    tiny_chat_media: ClassVar[tuple[str, str]] = (IMAGE_PART, VIDEO_PART)
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
     saved_prefixes: ClassVar[dict[str, str]] = {}
@@ -140,6 +151,11 @@ class Family:
         """Placeholder token per media kind; the engines and the trainer never let the policy emit them."""
         cfg = self.config
         return {"image": cfg.image_token_id, "video": cfg.video_token_id}
+
+    def media_token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """transformers' `mm_token_type_ids`: 1 on image placeholder tokens, 2 on video ones, 0 elsewhere."""
+        ids = self.media_token_ids()
+        return (input_ids == ids["image"]).int() + 2 * (input_ids == ids["video"]).int()
 
     def never_generated_ids(self) -> list[int]:
         """Vision placeholder and delimiter tokens: sampling one would break the positions and media
@@ -214,25 +230,18 @@ class Family:
         attention_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Last hidden states of the model's own forward, with the media encoded beforehand
-        (`mm_encoder_outputs`): every family feature (DeepStack included) goes the model's path.
+        (`mm_encoder_outputs`, from `token_inputs`): every family feature (DeepStack included) goes the
+        model's path.
         A list passed as `router_losses` receives a mixture-of-experts model's load-balancing loss.
         No `attention` for packed rows (`mmrl.training.packing`): the positions keep the sequences apart.
         A `cache` holds earlier tokens' keys and values; the forward attends to them and appends its own.
         `attention_kwargs` reach every attention layer (`mmrl.training.segments`' plan)."""
         extra = {"output_router_logits": True} if router_losses is not None else {}
-        if media and not _takes_encoded_media():
-            # Older versions take **kwargs and drop the encoded media without a word: the policy
-            # would then train blind, every image token left as its placeholder embedding.
-            raise RuntimeError(
-                f"transformers {transformers.__version__} cannot take media encoded beforehand "
-                "(mm_encoder_outputs), so the policy would not see its images; mmrl needs "
-                "transformers>=5.18,<5.20: pip install 'transformers>=5.18,<5.20'"
-            )
+        tokens = self.token_inputs(model, input_ids, media)
         out = model.model(
-            input_ids=input_ids,
+            **tokens,
             attention_mask=attention,
             position_ids=positions,
-            mm_encoder_outputs=media or None,
             past_key_values=cache,
             use_cache=cache is not None,
             **extra,
@@ -241,6 +250,18 @@ class Family:
         if router_losses is not None:
             router_losses.append(self.router_loss(out.router_logits, attention))
         return out.last_hidden_state
+
+    def token_inputs(self, model: Any, input_ids: torch.Tensor, media: dict[str, Any]) -> dict[str, Any]:
+        """The forward's token arguments: the ids, and the media encoded beforehand for the model to place."""
+        if media and not _takes_encoded_media():
+            # Older versions take **kwargs and drop the encoded media without a word: the policy
+            # would then train blind, every image token left as its placeholder embedding.
+            raise RuntimeError(
+                f"transformers {transformers.__version__} cannot take media encoded beforehand "
+                "(mm_encoder_outputs), so the policy would not see its images; mmrl needs "
+                "transformers>=5.18,<5.20: pip install 'transformers>=5.18,<5.20'"
+            )
+        return {"input_ids": input_ids, "mm_encoder_outputs": media or None}
 
     def router_loss(
         self, router_logits: tuple[torch.Tensor, ...], attention: torch.Tensor | None
@@ -253,17 +274,14 @@ class Family:
             f"transformers.models.{self.config.model_type}.modeling_{self.config.model_type}"
         )
         text = self.text_config
-        return module.load_balancing_loss_func(
-            router_logits, text.num_experts, text.num_experts_per_tok, attention
-        )
+        experts = getattr(text, "num_experts", None) or text.num_local_experts  # GLM names it the latter
+        return module.load_balancing_loss_func(router_logits, experts, text.num_experts_per_tok, attention)
 
     def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Keyword arguments for `model.generate` besides ids and mask."""
         if not self.video_time_in_seconds:
             vision = {k: v for k, v in vision.items() if k != "second_per_grid_ts"}
-        ids = self.media_token_ids()
-        types = (input_ids == ids["image"]).int() + 2 * (input_ids == ids["video"]).int()
-        return {"mm_token_type_ids": types, **vision}
+        return {"mm_token_type_ids": self.media_token_types(input_ids), **vision}
 
     # ------------------------------------------------------------------ structure
     def language_model(self, model: Any) -> nn.Module:
@@ -311,6 +329,24 @@ class Family:
     def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
         """The processor a real checkpoint of this family ships (image and video processors, tokenizer)."""
         raise NotImplementedError
+
+
+def per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A tensor as a checkpoint of per-expert weights has it (how transformers saves, and vLLM loads,
+    Qwen2-style MoE layers whose experts it holds fused): `mlp.experts.gate_up_proj` (E, 2I, H) as each
+    expert's gate then up projection, `mlp.experts.down_proj` (E, H, I) as each one's down projection, one
+    expert and projection at a time; any other tensor as it is."""
+    experts, _, kind = name.rpartition(".")
+    if not experts.endswith(".mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+        yield name, tensor
+        return
+    for e, weight in enumerate(tensor):
+        if kind == "down_proj":
+            yield f"{experts}.{e}.down_proj.weight", weight
+            continue
+        gate, up = weight.chunk(2)
+        yield f"{experts}.{e}.gate_proj.weight", gate
+        yield f"{experts}.{e}.up_proj.weight", up
 
 
 @functools.cache

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-from mmrl.models.family import register
+from mmrl.models.family import per_expert, register
 from mmrl.models.qwen2_5_vl import media_ids, tiny_text
 from mmrl.models.qwen3_vl import Qwen3_VL, tiny_vision
 
@@ -116,20 +116,8 @@ class Qwen3_5_MoE(Qwen3_5):
     mixture_of_experts = True
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """The fused experts as the checkpoint (and so vLLM's loader) has them, one expert and projection
-        at a time: `gate_up_proj` (E, 2I, H) is each expert's gate then up projection, `down_proj`
-        (E, H, I) its down projection."""
-        experts, _, kind = name.rpartition(".")
-        if not experts.endswith(".mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
-            yield name, tensor
-            return
-        for e, weight in enumerate(tensor):
-            if kind == "down_proj":
-                yield f"{experts}.{e}.down_proj.weight", weight
-                continue
-            gate, up = weight.chunk(2)
-            yield f"{experts}.{e}.gate_proj.weight", gate
-            yield f"{experts}.{e}.up_proj.weight", up
+        """The fused experts as the checkpoint (and so vLLM's loader) has them, per expert and projection."""
+        yield from per_expert(name, tensor)
 
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Qwen3_5MoeConfig:

@@ -1,18 +1,22 @@
 """Tiny random-init models of every family, for CPU tests and the quickstart.
 
-No hub is needed: `build_tokenizer` trains a byte-level BPE with Qwen's special tokens, and
-`build_tiny` writes a checkpoint folder in the exact layout of a real one of the family (config,
-weights, tokenizer, processor), so loading serves tiny and real models through one code path.
+No hub is needed: `build_tokenizer` trains a byte-level BPE with Qwen's special tokens (and any a family
+names besides, `Family.tiny_special_tokens`), and `build_tiny` writes a checkpoint folder in the exact
+layout of a real one of the family (config, weights, tokenizer, processor), so loading serves tiny and
+real models through one code path.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Qwen2TokenizerFast
+
+from mmrl.processors.chat import IMAGE_PART, VIDEO_PART
 
 DEFAULT_FAMILY = "qwen2_5_vl"  # the quickstart's; see the README's supported-models table
 
@@ -49,19 +53,25 @@ TOOLS_PREAMBLE = (
     "{% endif %}"
 )
 
-CHAT_TEMPLATE = (
-    TOOLS_PREAMBLE + "{% for message in messages %}"
-    "{% if not (tools and loop.first and message['role'] == 'system') %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
+def chat_template(image: str = IMAGE_PART, video: str = VIDEO_PART) -> str:
+    """Qwen's chat format, writing each image part as `image` and each video part as `video`."""
+    return (
+        TOOLS_PREAMBLE + "{% for message in messages %}"
+        "{% if not (tools and loop.first and message['role'] == 'system') %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'image' %}}{image}"
+        f"{{% elif part['type'] == 'video' %}}{video}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = chat_template()
 
 _WORDS = (
     "what colour color is the shape how many circles square triangle circle red green blue yellow "
@@ -83,8 +93,11 @@ def _tokenizer_corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer(vocab_size: int = 1024) -> Qwen2TokenizerFast:
-    """Train a byte-level BPE with Qwen's special tokens and chat template (about a second)."""
+def build_tokenizer(
+    vocab_size: int = 1024, special_tokens: Sequence[str] = (), template: str = CHAT_TEMPLATE
+) -> Qwen2TokenizerFast:
+    """Train a byte-level BPE with Qwen's special tokens, then `special_tokens` (a family's own, after all
+    others, so every other id stays as it is), and a chat template (about a second)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -106,7 +119,8 @@ def build_tokenizer(vocab_size: int = 1024) -> Qwen2TokenizerFast:
         additional_special_tokens=SPECIAL_TOKENS[1:],
     )
     fast.add_tokens(TAG_TOKENS)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens(list(special_tokens), special_tokens=True)
+    fast.chat_template = template
     return fast
 
 
@@ -136,12 +150,14 @@ def build_tiny(
     cls = families[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(
+        special_tokens=cls.tiny_special_tokens, template=chat_template(*cls.tiny_chat_media)
+    )
     processor = tokenizer
     if cls.takes_images:
         factor = cls.tiny_grid_factor
         processor = cls.tiny_processor(
-            tokenizer, min_pixels or factor**2, max_pixels or (16 * factor) ** 2, CHAT_TEMPLATE
+            tokenizer, min_pixels or factor**2, max_pixels or (16 * factor) ** 2, tokenizer.chat_template
         )
     config = cls.tiny_config(tokenizer)
     text_config = config.get_text_config()

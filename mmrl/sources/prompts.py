@@ -381,6 +381,7 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
         video_budget,
         getattr(processor, "video_processor", None),
         family.video_placeholder,
+        family.media_pads,
         **agent,
     )
     train = PromptDataset.from_config(d, inputs)

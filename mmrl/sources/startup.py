@@ -27,7 +27,8 @@ def check_startup(cfg: Config, command: str) -> None:
     """Everything `command` (train, eval or sft) will name or touch, checked in the order a run meets it."""
     check_device(cfg.trainer.device)
     if command == "sft":
-        check_model("sft.base_model", cfg.sft.base_model if cfg.sft else cfg.model.path)
+        key, path = "sft.base_model", cfg.sft.base_model if cfg.sft else cfg.model.path
+        check_turns(cfg, key, check_model(key, path))
         check_writable("model.path", cfg.model.path)
     elif command == "train":
         if not (Path(cfg.model.path) / "config.json").exists() and cfg.sft is not None:
@@ -35,7 +36,7 @@ def check_startup(cfg: Config, command: str) -> None:
                 f"model.path: no model at {cfg.model.path}; this config starts from behaviour cloning, so "
                 "run `mmrl sft` with it first (it writes model.path)"
             )
-        check_model("model.path", cfg.model.path)
+        check_turns(cfg, "model.path", check_model("model.path", cfg.model.path))
         check_writable("trainer.output_dir", cfg.trainer.output_dir)
     if cfg.env is not None:
         check_env("env.task", cfg.env.task, cfg.env.options)
@@ -78,9 +79,21 @@ def check_family(key: str, family: str) -> None:
         raise unknown_name(f"{key} {family!r} is not a model family mmrl knows", family, sorted(names))
 
 
-def check_model(key: str, path: str) -> None:
+def check_turns(cfg: Config, key: str, family: Any) -> None:
+    """Env and agent runs write observations and tool results as chat turns in Qwen's format with Qwen's
+    image tokens (`processors.chat.user_turn_text`): a family whose template and tokens differ is refused."""
+    kind = "env" if cfg.env is not None else "agent" if cfg.agent is not None else None
+    if kind is not None and not family.qwen_turns:
+        raise ConfigError(
+            f"{key}: {family.name} models cannot run {kind} episodes yet: mmrl writes observations and tool "
+            f"results as Qwen chat turns with Qwen's image tokens, which {family.name} reads otherwise; "
+            f"use a Qwen-VL model for this config, or drop its `{kind}` section"
+        )
+
+
+def check_model(key: str, path: str) -> Any:
     """A model folder: its config names a supported `model_type`, and its weight files are whole. A hub id
-    is resolved (from the cache when offline) and checked the same way."""
+    is resolved (from the cache when offline) and checked the same way. Returns the family it is of."""
     from mmrl.models import FAMILIES
     from mmrl.models.loading import checked_folder
 
@@ -116,6 +129,7 @@ def check_model(key: str, path: str) -> None:
                 f"{key}: {weights} is {problem}: it was cut short or damaged (a copy or download that did "
                 f"not finish?); {redo}"
             )
+    return FAMILIES[model_type]
 
 
 def safetensors_problem(path: Path) -> str | None:
