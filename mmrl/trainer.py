@@ -31,7 +31,7 @@ from mmrl.run.resume import (
     truncate_metrics,
 )
 from mmrl.run.signals import RunInterrupted, StopSignals
-from mmrl.run.timing import HEAP_RELEASE_EVERY, PhaseTimer
+from mmrl.run.timing import HeapRelease, PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
 from mmrl.training.critic import critic_plan, update_critic
@@ -99,6 +99,7 @@ class Trainer:
             config=cfg.model_dump(mode="json"),
         )
         self.step = 0
+        self.heap = HeapRelease()  # freed heap pages back to the OS when they pile up
         self.resumed_from: Path | None = None
         self.baseline: dict[str, Any] | None = None  # the validation before training
         # A run of steps whose every update was skipped (non-finite gradients): how many, and the
@@ -272,8 +273,7 @@ class Trainer:
                     stats.skipped_steps,
                     stats.steps,
                 )
-        release = self.step % HEAP_RELEASE_EVERY == 0
-        metrics.update(timer.metrics(tokens=token_count(batch), release_heap=release))
+        metrics.update(timer.metrics(tokens=token_count(batch), heap=self.heap))
         return metrics
 
     def _small_state(self) -> dict[str, Any]:

@@ -28,16 +28,16 @@ class PhaseTimer:
         yield
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
 
-    def metrics(self, tokens: int, release_heap: bool = False) -> dict[str, float]:
-        """The step's timings, throughput and host memory; `release_heap` first hands freed heap pages
-        back to the OS (`release_freed_memory`), so that the memory reported is what is held."""
+    def metrics(self, tokens: int, heap: HeapRelease | None = None) -> dict[str, float]:
+        """The step's timings, throughput and host memory; with `heap`, freed heap pages first go back to
+        the OS when enough have piled up (`HeapRelease`), so that the memory reported is what is held."""
         total = time.perf_counter() - self.start
         out = {f"timing/{k}": v for k, v in self.phases.items()}
         out["timing/step"] = total
         out["throughput/tokens_per_s"] = tokens / total
         out["memory/peak_rss_gb"] = peak_rss_gb()
-        if release_heap:
-            release_freed_memory()
+        if heap is not None:
+            out["memory/heap_released"] = float(heap.after_step())
         if (rss := current_rss_gb()) is not None:
             out["memory/rss_gb"] = rss
         return out
@@ -53,9 +53,31 @@ def _glibc() -> Any:
     return None
 
 
-# Steps between two `release_freed_memory` calls: each costs the next step the page faults of re-taking
-# its memory (+15% on one VLA update, +3% on its step, 2026-12-03), so it runs on one step in ten.
-HEAP_RELEASE_EVERY = 10
+class HeapRelease:
+    """Hands freed heap pages back to the OS (`release_freed_memory`) after any step that leaves the
+    resident size `HEAP_SLACK` past what the last release left.
+
+    A step frees tensors of sizes that change with its batch, and glibc keeps the freed pages for reuse;
+    between releases they pile up, in a heap that fragments a little more with each new mix of sizes.
+    Released every 10th step, a VLA run's trainer held a flat 1.17-1.23 GiB after each release over 300
+    steps, yet the tops in between rose 1.95 -> 2.28 GiB (`bench/soak.py`, docs/benchmarks.md). Each
+    release costs the next step the page faults of taking its memory back (+15% on one VLA update), so it
+    runs only when the pile is worth it: the peak stays within the slack of what is held."""
+
+    def __init__(self, slack: float = 0.2, floor_gb: float = 0.25) -> None:
+        self.slack, self.floor_gb = slack, floor_gb
+        self.held: float | None = None
+
+    def after_step(self) -> bool:
+        """Release if the pile is past the slack (always after the first step); whether it did."""
+        rss = current_rss_gb()
+        if rss is None or (
+            self.held is not None and rss <= self.held + max(self.floor_gb, self.slack * self.held)
+        ):
+            return False
+        release_freed_memory()
+        self.held = current_rss_gb()
+        return True
 
 
 def release_freed_memory() -> None:

@@ -31,7 +31,7 @@ from PIL import Image
 from mmrl.cli import main
 from mmrl.data.synthetic import generate
 from mmrl.run import checkpoint as ckpt
-from mmrl.run.timing import current_rss_gb, release_freed_memory
+from mmrl.run.timing import HeapRelease, current_rss_gb
 
 TMPFS_MB = 12  # one checkpoint of the tiny model is ~8 MB: the second does not fit
 RSS_GROWTH_BOUND_MB = 50
@@ -105,23 +105,28 @@ def test_a_disk_that_fills_up_while_checkpointing_simulated(
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="memory/rss_gb is read from Linux's /proc")
-def test_freed_heap_memory_goes_back_to_the_os() -> None:
+def test_freed_heap_memory_goes_back_to_the_os_once_it_piles_up() -> None:
     """A step frees blocks of many sizes, and glibc keeps what was freed for reuse: the trainer hands it
-    back every `HEAP_RELEASE_EVERY` steps, so a long run's resident size does not drift up."""
-    release_freed_memory()  # from a heap without free pages, so that the blocks below take new ones
+    back once the pile passes its slack (`HeapRelease`), so a long run's resident size does not drift up,
+    and leaves a small pile alone (each release costs the next step its page faults)."""
+    heap = HeapRelease(slack=0.0, floor_gb=0.1)
+    assert heap.after_step()  # the first step sets what is held
     base = current_rss_gb()
+    small = [torch.ones(16_000) for _ in range(400)]  # 26 MB, under the slack
+    assert not heap.after_step()
     blocks = [torch.ones(16_000) for _ in range(4000)]  # 64 KB each (below glibc's mmap threshold): 256 MB
     kept = blocks[::10]  # live blocks between the freed ones keep glibc from trimming the heap by itself
     del blocks
     held = current_rss_gb() - base
-    release_freed_memory()
-    after = current_rss_gb() - base
-    assert len(kept) == 400
+    assert len(kept) == 400 and len(small) == 400
     if held < 0.15:  # not glibc, or an allocator that returned the blocks already: nothing to test
         pytest.skip(f"the freed blocks were not kept resident ({held * 1024:.0f} MB)")
+    assert heap.after_step()
+    after = current_rss_gb() - base
     assert after < held / 2, (
         f"resident after freeing {held * 1024:.0f} MB, after the release {after * 1024:.0f}"
     )
+    assert heap.held == pytest.approx(current_rss_gb(), abs=0.01)
 
 
 @pytest.mark.slow
@@ -144,11 +149,13 @@ def test_host_memory_stays_flat_over_50_quickstart_steps(tmp_path: Path, tiny_mo
     assert finish(start(train_argv(quickstart), log), log, timeout=380) == 0, log.read_text()
     rss = {r["step"]: r["memory/rss_gb"] * 1024 for r in raw_records(run) if "memory/rss_gb" in r}
     assert sorted(rss) == list(range(1, 51))
-    # The trend, not two single readings: RSS swings by tens of MB from step to step as the allocator
-    # takes and returns batch-sized blocks, while a leak is a steady climb.
-    steps = list(range(10, 51))
-    slope = statistics.linear_regression(steps, [rss[s] for s in steps]).slope
-    growth = slope * (steps[-1] - steps[0])
+    # The trend of what is held, not two single readings: RSS swings by tens of MB from step to step as
+    # the allocator keeps freed blocks for reuse (until `HeapRelease` hands a pile back), while a leak
+    # raises even the lowest reading of every window. So: the least reading of each 5 steps, and its trend.
+    windows = range(10, 50, 5)
+    lows = [min(rss[s] for s in range(w + 1, w + 6)) for w in windows]
+    slope = statistics.linear_regression(list(windows), lows).slope
+    growth = slope * (windows[-1] - windows[0] + 5)
     curve = {step: round(mb) for step, mb in rss.items() if step % 5 == 0}
     print(
         f"RSS trend from step 10 to 50: {growth:+.1f} MB (bound {RSS_GROWTH_BOUND_MB} MB); every 5 steps: {curve}"
