@@ -75,14 +75,14 @@ def build_messages(
 def encode_prompt(
     tokenizer: Any,
     messages: list[dict[str, Any]],
-    tokens_per_image: Sequence[int],
+    tokens_per_image: Sequence[int | str],
     tokens_per_video: Sequence[int | str] = (),
     tools: Sequence[dict[str, Any]] | None = None,
     pads: tuple[str, str] = (IMAGE_PAD, VIDEO_PAD),
 ) -> list[int]:
     """Render the chat template and tokenise, expanding each image and video pad to its feature count.
 
-    A video's entry is its pad count, or the whole text that replaces its pad where the family puts
+    An image's or video's entry is its pad count, or the whole text that replaces its pad where the family puts
     text between frames (Qwen3-VL's timestamps: `mmrl.processors.video.timestamped_video_text`). `tools`
     (JSON schemas) go to the template, which describes them and the call format in the system turn.
     `pads` are the image and video tokens as the template writes them (Qwen's unless the family's differ)."""
@@ -117,7 +117,7 @@ def with_tools_described(
 def expand_pads(
     tokenizer: Any,
     text: str,
-    tokens_per_image: Sequence[int],
+    tokens_per_image: Sequence[int | str],
     tokens_per_video: Sequence[int | str] = (),
     pads: tuple[str, str] = (IMAGE_PAD, VIDEO_PAD),
 ) -> list[int]:

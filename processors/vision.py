@@ -12,7 +12,27 @@ def pixel_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, t
     """Normalise and patchify with the checkpoint's own image processor, never resizing again.
 
     Resizing here would let the processor and the prompt disagree on the token count, the
-    classic "image features and image tokens do not match" failure.
+    classic "image features and image tokens do not match" failure. A processor that cuts images into
+    tiles (`crop_to_patches`: GotOcr2's, which InternVL uses) is `tiled_inputs`'.
     """
+    if hasattr(image_processor, "crop_to_patches"):
+        return tiled_inputs(images, image_processor)
     out = image_processor(images=images, do_resize=False, return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def tiled_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, torch.Tensor]:
+    """The tiles of images already sized to whole grids of tiles (`fit_image`), and each image's tile count
+    (thumbnail included) as a one-column grid, whose product is its rows of `pixel_values` as a Qwen
+    grid's is. Each image is cut into exactly the tiles it holds: with a range of counts the processor
+    could pick a larger grid of the same shape (its tie-break), and the prompt's count would be wrong."""
+    side = image_processor.size.height
+    pixels, counts = [], []
+    for image in images:
+        tiles = (image.height // side) * (image.width // side)
+        out = image_processor(
+            images=[image], crop_to_patches=True, min_patches=tiles, max_patches=tiles, return_tensors="pt"
+        )
+        pixels.append(out["pixel_values"])
+        counts += out["num_patches"]
+    return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(counts)[:, None]}

@@ -26,7 +26,6 @@ from mmrl.processors import (
     build_messages,
     encode_prompt,
     fit_image,
-    num_image_tokens,
     read_video,
 )
 from mmrl.rollout import SamplingParams, make_engine
@@ -93,7 +92,7 @@ class Media:
         ids = encode_prompt(
             processor.tokenizer,
             build_messages(text, len(images), system, num_videos=len(videos)),
-            [num_image_tokens(i.height, i.width, self.images) for i in images],
+            [family.image_placeholder(i.height, i.width, self.images) for i in images],
             [family.video_placeholder(v, budget) for v in videos],
             pads=family.media_pads,
         )

@@ -114,10 +114,10 @@ def with_pixels(
 class PromptInputs:
     """What turns rows into a model's inputs besides the `data` section, all of it the model's or the
     run's: its tokenizer, its image and video processors and the pixel budgets sized on its grid, its
-    family's video placeholder (`Family.video_placeholder`) and image and video pad tokens as its chat
-    template writes them (`Family.media_pads`), and for agent runs the tools (JSON schemas)
-    described in every prompt and whether each image is kept at full size too, for image tools. A
-    text-only model's inputs are its tokenizer alone: no image processor and no pixel budget."""
+    family's video placeholder (`Family.video_placeholder`), image and video pad tokens as its chat
+    template writes them (`Family.media_pads`) and image placeholder (`Family.image_placeholder`), and for
+    agent runs the tools (JSON schemas) described in every prompt and whether each image is kept at full
+    size too, for image tools. A text-only model's inputs are its tokenizer alone: no image processor and no pixel budget."""
 
     tokenizer: Any
     image_processor: Any = None
@@ -126,6 +126,7 @@ class PromptInputs:
     video_processor: Any = None
     video_placeholder: Callable[[Video, VideoBudget], int | str] = video_pad_count
     media_pads: tuple[str, str] = (IMAGE_PAD, VIDEO_PAD)
+    image_placeholder: Callable[[int, int, PixelBudget], int | str] = num_image_tokens
     tools: Sequence[dict[str, Any]] = ()
     keep_originals: bool = False
 
@@ -249,6 +250,12 @@ class PromptDataset:
             self.media_count = sum(self.has_media(row) for row, _ in self.rows)
         return self.media_count
 
+    def video_rows(self) -> int:
+        """How many rows name videos (a family that takes none can use none of them)."""
+        return sum(
+            "__bad__" not in row and not is_empty(lookup(row, self.cfg.video_key)) for row, _ in self.rows
+        )
+
     def has_media(self, row: dict[str, Any]) -> bool:
         """Whether the row names images or videos."""
         _, _, image_key = self.keys
@@ -336,7 +343,7 @@ class PromptDataset:
         return prompt
 
     def _encode(
-        self, prompt: _Text, counts: list[int], video_counts: list[int | str], least: bool
+        self, prompt: _Text, counts: list[int | str], video_counts: list[int | str], least: bool
     ) -> list[int]:
         """The prompt's token ids with `counts` placeholder tokens per image and video (`least`: lower
         bounds, which only tell a prompt that is too long whatever its media's sizes)."""
@@ -371,7 +378,7 @@ class PromptDataset:
         except ImageError as err:
             raise SkipRow("bad_image", str(err)) from None
         videos = self._videos(prompt.videos, base)
-        counts = [num_image_tokens(im.height, im.width, self.inputs.budget) for im in fitted]
+        counts = [self.inputs.image_placeholder(im.height, im.width, self.inputs.budget) for im in fitted]
         video_counts = [self.inputs.video_placeholder(v, self.inputs.video_budget) for v in videos or []]
         sample = PromptSample(
             row_id=index,

@@ -29,6 +29,8 @@ class PromptSample:
     images: list[Image.Image] = field(default_factory=list)
     image_sizes: list[ImageSize] = field(default_factory=list)
     pixel_values: torch.Tensor | None = None
+    # Per image, the rows of `pixel_values` it spans: Qwen's (t, h, w) patch grid, or a tiling family's
+    # (tiles,) count (InternVL); the product of a row is the image's count of `pixel_values` rows.
     image_grid_thw: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     videos: list[Video] = field(default_factory=list)

@@ -5,6 +5,7 @@ Each family module registers its adapter on import.
 
 from mmrl.models import (
     glm4v,  # noqa: F401  (registers the family: glm4v and glm4v_moe)
+    internvl,  # noqa: F401
     qwen2_5_vl,  # noqa: F401
     qwen2_vl,  # noqa: F401
     qwen3_5,  # noqa: F401  (qwen3_5 and qwen3_5_moe)

@@ -25,12 +25,14 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from mmrl.processors import (
     TRANSFORMERS_RULE,
     FrameRule,
+    PixelBudget,
     PositionRule,
     SizeRule,
     Video,
     VideoBudget,
     frame_by_frame,
     mrope_position_ids,
+    num_image_tokens,
     video_pad_count,
 )
 from mmrl.processors.chat import IMAGE_PAD, IMAGE_PART, VIDEO_PAD, VIDEO_PART
@@ -89,6 +91,9 @@ class Family:
     model_class: ClassVar[str]  # the transformers class that loads the checkpoint, by name
     takes_images: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
+    # The vision tower attends within each image's span of one packed sequence of patches (`cu_seqlens`),
+    # which `mmrl.models.vision_attention` batches; a tower that takes a batch of tiles (InternViT) keeps SDPA.
+    packed_vision: ClassVar[bool] = True
     mixture_of_experts: ClassVar[bool] = False
     # Packed rows (`actor.padding_free`) stay apart only where every layer reads sequence boundaries
     # from the text positions, as attention does; a recurrent layer's state would run on across them.
@@ -115,6 +120,9 @@ class Family:
     # Env observations and tool results are written as Qwen chat turns with Qwen's image tokens
     # (`processors.chat.user_turn_text`); a family that reads other turns and tokens refuses env and agent runs.
     qwen_turns: ClassVar[bool] = True
+    # Why mmrl's vLLM engine cannot serve the family yet (empty: it can); `rollout.engine: auto` then
+    # picks the HF engine and `vllm` is refused at start (`mmrl.sources.startup.settle_engine`).
+    vllm_unsupported: ClassVar[str] = ""
     tiny_chat_media: ClassVar[tuple[str, str]] = (IMAGE_PART, VIDEO_PART)
     # transformers saves some families' weights under older names than it holds in memory; vLLM
     # loads the saved names. Prefixes in memory -> saved.
@@ -163,6 +171,11 @@ class Family:
         cfg = self.config
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         return [i for i in (getattr(cfg, n, None) for n in names) if i is not None]
+
+    def image_placeholder(self, height: int, width: int, budget: PixelBudget) -> int | str:
+        """What one fitted image's pad expands to in a prompt (`processors.encode_prompt`): a pad count (one
+        per merged patch), or the family's text around its tokens (InternVL's tiles)."""
+        return num_image_tokens(height, width, budget)
 
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         """What one video's `<|video_pad|>` expands to in a prompt (`processors.encode_prompt`): a pad

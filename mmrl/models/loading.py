@@ -76,7 +76,8 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     folder = checked_folder(path)
     family = family_of(AutoConfig.from_pretrained(folder))
     model = family.load_class().from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    use_varlen_vision_attention(model)
+    if family.packed_vision:
+        use_varlen_vision_attention(model)
     return model.to(device)
 
 

@@ -22,6 +22,13 @@ from mmrl.models.qwen2_5_vl import tiny_text
 from mmrl.processors import TRANSFORMERS_RULE, PositionRule, Video, VideoBudget
 
 
+def text_positions(attention: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions counting attended tokens only, 0 on padding: a 1-D-position language model's
+    layout as `generate` gives a left-padded prompt and vLLM a prompt without padding."""
+    mask = attention.long()
+    return (mask.cumsum(dim=1) - 1).clamp(min=0) * mask
+
+
 @register
 class TextLM(Family):
     name = "text"
@@ -74,8 +81,7 @@ class TextLM(Family):
     ) -> torch.Tensor:
         """(B, L) positions counting attended tokens only: left padding and the padding after a
         response get 0; both engines lay text out this way, so `rules` changes nothing."""
-        mask = attention.long()
-        return (mask.cumsum(dim=1) - 1).clamp(min=0) * mask
+        return text_positions(attention)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(

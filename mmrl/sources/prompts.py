@@ -382,10 +382,20 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
         getattr(processor, "video_processor", None),
         family.video_placeholder,
         family.media_pads,
+        family.image_placeholder,
         **agent,
     )
     train = PromptDataset.from_config(d, inputs)
     val_set = PromptDataset.from_config(d, inputs, key="val_files") if d.val_files else None
+    if not family.takes_video:
+        for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
+            videos = dataset.video_rows() if dataset is not None else 0
+            if videos:
+                raise ConfigError(
+                    f"data.{name}_files ({', '.join(map(str, files))}): {videos} of {len(dataset)} rows have "
+                    f"videos, but model.path {cfg.model.path} is a {family.name} model, which mmrl cannot "
+                    "show videos yet. Remove those rows (or their video column), or train a Qwen-VL or GLM model."
+                )
     return train, _prepared_val(val_set, d.max_val_samples)
 
 

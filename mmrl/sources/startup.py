@@ -36,7 +36,9 @@ def check_startup(cfg: Config, command: str) -> None:
                 f"model.path: no model at {cfg.model.path}; this config starts from behaviour cloning, so "
                 "run `mmrl sft` with it first (it writes model.path)"
             )
-        check_turns(cfg, "model.path", check_model("model.path", cfg.model.path))
+        family = check_model("model.path", cfg.model.path)
+        check_turns(cfg, "model.path", family)
+        settle_engine(cfg, family)
         check_writable("trainer.output_dir", cfg.trainer.output_dir)
     if cfg.env is not None:
         check_env("env.task", cfg.env.task, cfg.env.options)
@@ -89,6 +91,19 @@ def check_turns(cfg: Config, key: str, family: Any) -> None:
             f"results as Qwen chat turns with Qwen's image tokens, which {family.name} reads otherwise; "
             f"use a Qwen-VL model for this config, or drop its `{kind}` section"
         )
+
+
+def settle_engine(cfg: Config, family: Any) -> None:
+    """`rollout.engine` for a family vLLM cannot serve yet (`Family.vllm_unsupported` says why): `auto`
+    becomes `hf`, and `vllm` is refused in one line, instead of failing at the first batch."""
+    if not family.vllm_unsupported or cfg.rollout.engine == "hf":
+        return
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError(
+            f"rollout.engine=vllm: {family.name} models do not run on mmrl's vLLM engine yet "
+            f"({family.vllm_unsupported}); set rollout.engine=hf"
+        )
+    cfg.rollout.engine = "hf"
 
 
 def check_model(key: str, path: str) -> Any:
