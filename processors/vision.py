@@ -18,6 +18,12 @@ def pixel_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, t
     if hasattr(image_processor, "crop_to_patches"):
         return tiled_inputs(images, image_processor)
     out = image_processor(images=images, do_resize=False, return_tensors="pt")
+    if "image_grid_thw" not in out:
+        # One fixed square per image (Gemma 3's): one row of `pixel_values` each, its grid [1].
+        return {
+            "pixel_values": out["pixel_values"],
+            "image_grid_thw": torch.ones(len(images), 1, dtype=torch.long),
+        }
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 

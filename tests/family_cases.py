@@ -97,7 +97,9 @@ class Media:
             pads=family.media_pads,
         )
         sample = PromptSample(index, ids, text, "red", images=images)
-        return with_pixels(sample, videos, processor.image_processor, processor.video_processor)
+        return with_pixels(
+            sample, videos, processor.image_processor, getattr(processor, "video_processor", None)
+        )
 
     def all_prompts(self, processor, family: Family) -> list[PromptSample]:
         """Every case once, in order: image, two images, video, text only, image + video."""

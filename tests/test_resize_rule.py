@@ -30,9 +30,12 @@ from mmrl.processors import (
     video_frame_size,
 )
 
-# InternVL cuts images into tiles instead of resizing them to a patch grid: test_family_internvl.py checks
-# its sizing against its image processor.
-VL_FAMILIES = sorted({f.name for f in FAMILIES.values() if f.takes_images and f.name != "internvl"})
+# InternVL cuts images into tiles and Gemma 3 resizes every image to one square instead of resizing them
+# to a patch grid: test_family_internvl.py and test_family_gemma3.py check their sizing against their image
+# processors.
+VL_FAMILIES = sorted(
+    {f.name for f in FAMILIES.values() if f.takes_images and f.name not in ("internvl", "gemma3")}
+)
 # (width, height): 1x1-ish specks, 200:1 strips both ways, off-grid and ordinary photos.
 SIZES = [
     (1, 1),

@@ -4,6 +4,7 @@ Each family module registers its adapter on import.
 """
 
 from mmrl.models import (
+    gemma3,  # noqa: F401
     glm4v,  # noqa: F401  (registers the family: glm4v and glm4v_moe)
     internvl,  # noqa: F401
     qwen2_5_vl,  # noqa: F401

@@ -98,6 +98,7 @@ class Family:
     # Packed rows (`actor.padding_free`) stay apart only where every layer reads sequence boundaries
     # from the text positions, as attention does; a recurrent layer's state would run on across them.
     packs_sequences: ClassVar[bool] = True
+    why_unpacked: ClassVar[str] = ""  # where it does not: why, as `actor.padding_free`'s refusal says it
     # A group's prompt runs once and its responses continue from its keys and values
     # (`mmrl.training.shared_prompt`) only where every layer's state is its keys and values.
     prefix_cache: ClassVar[bool] = True

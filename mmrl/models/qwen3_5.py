@@ -93,6 +93,7 @@ class Qwen3_5(Qwen3_VL):
     # ignore sequence boundaries: packed, a row's recurrent state and convolution would start from
     # the previous row's (tests/test_packing.py measures the gap).
     packs_sequences = False
+    why_unpacked = "have recurrent (Gated DeltaNet) layers that would carry their state from one packed sequence into the next"
     prefix_cache = False  # the recurrent layers' state is not keys and values
 
     @classmethod

@@ -165,10 +165,7 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
             "experts to balance; set it to 0"
         )
     if cfg.actor.padding_free and not family.packs_sequences:
-        raise ConfigError(
-            f"actor.padding_free: {family.name} models have recurrent (Gated DeltaNet) layers that would "
-            "carry their state from one packed sequence into the next; set it to false"
-        )
+        raise ConfigError(f"actor.padding_free: {family.name} models {family.why_unpacked}; set it to false")
     checkpointing = getattr(model, "is_gradient_checkpointing", False)
     if cfg.actor.padding_free and checkpointing and next(model.parameters()).device.type == "cpu":
         log.warning(
