@@ -30,7 +30,8 @@ Then:
 parameters (language model 768 wide, 12 layers; vision tower 6.3 M, 256 wide, 4 layers), 448 px images
 (256 visual tokens), 2 prompts x n=8 with up to 256 new tokens, 3 steps, 2 repeats, lr 1e-6 and no
 format warm-up; it runs three systems, alternating: mmrl as configured by default (padded rows, each
-prompt computed once for its group), TRL, and mmrl packed (`actor.padding_free=true`). A random-init model's next-token distribution is near uniform, so it would end a
+prompt computed once for its group), TRL, and mmrl packed (`actor.padding_free=true`: each prompt packed
+once before its responses). A random-init model's next-token distribution is near uniform, so it would end a
 response with probability 1/vocab per token and most responses would reach the cap; the
 `<|im_end|>` embedding row is scaled by `--eos-scale` (7; tied, so its logit's spread grows) to give
 a real spread of lengths, which each run reports (min / median / max over its samples). Gradient
@@ -95,7 +96,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     # 2 prompts x n=8 (the group people train with) at up to 256 new tokens: a step is 1.5-3 minutes per
     # system on one CPU thread. mmrl as it runs by default (padded, each prompt once per group) against
-    # TRL, and mmrl packed, whose CPU attention builds a dense mask over the packed rows.
+    # TRL, and mmrl packed (each prompt once, then its responses, attended segment by segment).
     "realistic": {
         "batch": 2,
         "n": 8,
