@@ -13,10 +13,13 @@ def pixel_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, t
 
     Resizing here would let the processor and the prompt disagree on the token count, the
     classic "image features and image tokens do not match" failure. A processor that cuts images into
-    tiles (`crop_to_patches`: GotOcr2's, which InternVL uses) is `tiled_inputs`'.
+    tiles (`crop_to_patches`: GotOcr2's, which InternVL uses) is `tiled_inputs`'; one that cuts them into
+    any-resolution grids (`image_grid_pinpoints`: LLaVA-OneVision's) is `anyres_inputs`'.
     """
     if hasattr(image_processor, "crop_to_patches"):
         return tiled_inputs(images, image_processor)
+    if hasattr(image_processor, "image_grid_pinpoints"):
+        return anyres_inputs(images, image_processor)
     out = image_processor(images=images, do_resize=False, return_tensors="pt")
     if "image_grid_thw" not in out:
         # One fixed square per image (Gemma 3's): one row of `pixel_values` each, its grid [1].
@@ -42,3 +45,21 @@ def tiled_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, t
         pixels.append(out["pixel_values"])
         counts += out["num_patches"]
     return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(counts)[:, None]}
+
+
+def anyres_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, torch.Tensor]:
+    """The crops of images already sized to a grid of whole base squares (`fit_image`): the base square's
+    squash of the image, then the grid's crops, then zero crops up to (rows + 1) x (columns + 1), and that
+    two-column grid. Its product is the image's rows of `pixel_values`, as a Qwen grid's is, and it keeps
+    rows and columns apart (the model needs the grid's shape; a crop count would not tell 2 x 1 from 1 x 2).
+    Each image is processed alone, so each is tiled as a single image (the processor's multi-image mode
+    shows one square per image)."""
+    side = image_processor.size.height
+    pixels, grids = [], []
+    for image in images:
+        rows, columns = image.height // side, image.width // side
+        crops = image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        padding = (rows + 1) * (columns + 1) - len(crops)
+        pixels.append(torch.cat([crops, crops.new_zeros(padding, *crops.shape[1:])]))
+        grids.append([rows + 1, columns + 1])
+    return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}

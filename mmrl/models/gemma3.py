@@ -24,18 +24,16 @@ Video is refused: Gemma 3 takes no video.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3Processor
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from mmrl.models.family import Family, Grid, register
+from mmrl.models.family import Grid, register
+from mmrl.models.llava import LlavaLayout
 from mmrl.models.qwen2_5_vl import tiny_text
-from mmrl.models.text import text_positions
-from mmrl.processors import TRANSFORMERS_RULE, PixelBudget, PositionRule, Video, VideoBudget
+from mmrl.processors import PixelBudget, Video, VideoBudget
 from mmrl.processors.chat import VIDEO_PAD
 
 START, END, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
@@ -52,12 +50,11 @@ def square(height: int, width: int, factor: int, min_pixels: int, max_pixels: in
 
 
 @register
-class Gemma3(Family):
+class Gemma3(LlavaLayout):
     name = "gemma3"
     model_types = ("gemma3",)
     model_class = "Gemma3ForConditionalGeneration"
     takes_video = False
-    packed_vision = False  # SigLIP takes a batch of equal squares, with no cu_seqlens
     packs_sequences = False  # see the module docstring
     why_unpacked = (
         "attend both ways within each image and through sliding windows, which the packed forward's "
@@ -66,18 +63,10 @@ class Gemma3(Family):
     tiny_grid_factor = TINY_SIDE
     image_size_rule = staticmethod(square)
     media_pads: ClassVar[tuple[str, str]] = (START, VIDEO_PAD)
-    qwen_turns = False  # env and tool turns would carry Qwen's image tokens: refused at start
     vllm_unsupported = (
         "vLLM 0.32 replaces each <start_of_image> of a prompt with a whole image run (blank lines, delimiters, "
         "soft tokens) and mmrl's prompts hold that run already expanded, which mmrl does not cut back for it yet"
     )
-    # transformers 5.19 saves Gemma 3 under the names of its original (LLaVA-style) checkpoints.
-    saved_prefixes: ClassVar[dict[str, str]] = {
-        "model.language_model.": "language_model.model.",
-        "lm_head.": "language_model.lm_head.",
-        "model.vision_tower.": "vision_tower.",
-        "model.multi_modal_projector.": "multi_modal_projector.",
-    }
     tiny_special_tokens: ClassVar[tuple[str, ...]] = tuple(NAMED_TOKENS.values())
     tiny_chat_media: ClassVar[tuple[str, str]] = (START, VIDEO_PAD)
 
@@ -86,13 +75,6 @@ class Gemma3(Family):
         """Sides are the tower's input side (`factor`): patches per side stand where Qwen's merge does."""
         vision = self.config.vision_config
         return Grid(vision.patch_size, vision.image_size // vision.patch_size, 1)
-
-    def media_token_ids(self) -> dict[str, int]:
-        return {"image": self.config.image_token_id}
-
-    def media_token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The model's `token_type_ids`: 1 on image soft tokens, whose runs attend both ways."""
-        return (input_ids == self.config.image_token_id).int()
 
     def never_generated_ids(self) -> list[int]:
         """The soft token and its delimiters: a sampled `<start_of_image>` is an image slot to the processor."""
@@ -105,17 +87,6 @@ class Gemma3(Family):
 
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         raise ValueError(f"{self.name} models take no video")
-
-    # ------------------------------------------------------------------ positions
-    def position_ids(
-        self,
-        prompts: Sequence[Any],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
-    ) -> torch.Tensor:
-        """One id per attended token: both engines lay a plain language model's text out so."""
-        return text_positions(attention)
 
     # ------------------------------------------------------------------ forward
     def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:
@@ -137,19 +108,6 @@ class Gemma3(Family):
         """The images and `token_type_ids`: the model places features by soft token and blocks by type."""
         pixels = {"pixel_values": vision["pixel_values"]} if "pixel_values" in vision else {}
         return {**pixels, "token_type_ids": self.media_token_types(input_ids)}
-
-    # ------------------------------------------------------------------ structure
-    def freeze_vision(self, model: Any) -> None:
-        """SigLIP and the projector that pools and maps its features to the language model's width."""
-        model.model.vision_tower.requires_grad_(False)
-        model.model.multi_modal_projector.requires_grad_(False)
-
-    def fsdp_units(self, model: Any) -> list[nn.Module]:
-        return [*model.model.vision_tower.encoder.layers, *self.language_model(model).layers]
-
-    def lora_prefixes(self, include_vision: bool) -> tuple[str, ...]:
-        vision = ("model.vision_tower.", "model.multi_modal_projector.") if include_vision else ()
-        return ("model.language_model.", *vision)
 
     # ------------------------------------------------------------------ tiny models
     @classmethod

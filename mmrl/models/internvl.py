@@ -23,7 +23,6 @@ text `FrameN:` tells apart from an image's, and mmrl places each kind's features
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -32,10 +31,10 @@ from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLProcesso
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
 
-from mmrl.models.family import Family, Grid, register
+from mmrl.models.family import Grid, register
+from mmrl.models.llava import LlavaLayout
 from mmrl.models.qwen2_5_vl import tiny_text
-from mmrl.models.text import text_positions
-from mmrl.processors import TRANSFORMERS_RULE, PixelBudget, PositionRule, Video, VideoBudget
+from mmrl.processors import PixelBudget, Video, VideoBudget
 
 START, END, CONTEXT, VIDEO = "<img>", "</img>", "<IMG_CONTEXT>", "<video>"
 # InternVL's tokenizer names its media tokens so; `InternVLProcessor` reads them by these names.
@@ -78,27 +77,18 @@ def tiny_vision() -> dict[str, Any]:
 
 
 @register
-class InternVL(Family):
+class InternVL(LlavaLayout):
     name = "internvl"
     model_types = ("internvl",)
     model_class = "InternVLForConditionalGeneration"
     takes_video = False  # see the module docstring
-    packed_vision = False  # InternViT attends within each tile of a batch, with no cu_seqlens
     tiny_grid_factor = TINY_TILE
     image_size_rule = staticmethod(tiled_canvas)
     media_pads: ClassVar[tuple[str, str]] = (CONTEXT, VIDEO)
-    qwen_turns = False  # env and tool turns would carry Qwen's image tokens: refused at start
     vllm_unsupported = (
         "vLLM 0.32 wraps each image's tokens in <img>...</img> again and tiles it by its processor's saved "
         "tile range, not the tiles mmrl fitted, so its prompts would not be the trainer's"
     )
-    # transformers 5.19 saves InternVL under the names of its original (LLaVA-style) checkpoints.
-    saved_prefixes: ClassVar[dict[str, str]] = {
-        "model.language_model.": "language_model.model.",
-        "lm_head.": "language_model.lm_head.",
-        "model.vision_tower.": "vision_tower.",
-        "model.multi_modal_projector.": "multi_modal_projector.",
-    }
     tiny_special_tokens: ClassVar[tuple[str, ...]] = tuple(NAMED_TOKENS.values())
     tiny_chat_media: ClassVar[tuple[str, str]] = (CONTEXT, VIDEO)
 
@@ -108,12 +98,6 @@ class InternVL(Family):
         vision = self.config.vision_config
         patch = vision.patch_size[0]
         return Grid(patch, vision.image_size[0] // patch, 1)
-
-    def media_token_ids(self) -> dict[str, int]:
-        return {"image": self.config.image_token_id}
-
-    def media_token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return (input_ids == self.config.image_token_id).int()
 
     def never_generated_ids(self) -> list[int]:
         """`<IMG_CONTEXT>` alone: `<img>` and `</img>` are text to the model, and sampling one moves no slot."""
@@ -127,17 +111,6 @@ class InternVL(Family):
 
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         raise ValueError(f"{self.name} models take no video in mmrl yet (see mmrl/models/internvl.py)")
-
-    # ------------------------------------------------------------------ positions
-    def position_ids(
-        self,
-        prompts: Sequence[Any],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
-    ) -> torch.Tensor:
-        """One id per attended token: both engines lay a plain language model's text out so."""
-        return text_positions(attention)
 
     # ------------------------------------------------------------------ forward
     def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:
@@ -161,17 +134,9 @@ class InternVL(Family):
         return {"pixel_values": vision["pixel_values"]} if "pixel_values" in vision else {}
 
     # ------------------------------------------------------------------ structure
-    def freeze_vision(self, model: Any) -> None:
-        """InternViT and the projector that maps its features to the language model's width."""
-        model.model.vision_tower.requires_grad_(False)
-        model.model.multi_modal_projector.requires_grad_(False)
-
-    def fsdp_units(self, model: Any) -> list[nn.Module]:
-        return [*model.model.vision_tower.encoder.layer, *self.language_model(model).layers]
-
-    def lora_prefixes(self, include_vision: bool) -> tuple[str, ...]:
-        vision = ("model.vision_tower.", "model.multi_modal_projector.") if include_vision else ()
-        return ("model.language_model.", *vision)
+    def vision_layers(self, model: Any) -> nn.ModuleList:
+        """InternViT's blocks (`layer`, not `layers`)."""
+        return model.model.vision_tower.encoder.layer
 
     # ------------------------------------------------------------------ tiny models
     @classmethod

@@ -1,0 +1,66 @@
+"""What the LLaVA-layout families (InternVL, Gemma 3, LLaVA-OneVision) share, unlike the Qwen line.
+
+A vision tower (`model.vision_tower`) takes a batch of equal squares (tiles, crops), a projector
+(`model.multi_modal_projector`) maps its features to the language model's width, and they replace the
+runs of one image token in a plain 1-D-position language model. transformers 5.19 saves these families
+under the names of their original LLaVA checkpoints, which vLLM's loader maps. Each family module keeps
+what differs: sizing, its image text, the encoding, its tower's layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mmrl.models.family import Family
+from mmrl.models.text import text_positions
+from mmrl.processors import TRANSFORMERS_RULE, PositionRule
+
+
+class LlavaLayout(Family):
+    """A LLaVA-layout family: one image token, 1-D positions, tower and projector beside the language model."""
+
+    packed_vision = False  # the tower takes a batch of equal squares, with no cu_seqlens
+    qwen_turns = False  # env and tool turns would carry Qwen's image tokens: refused at start
+    saved_prefixes: ClassVar[dict[str, str]] = {
+        "model.language_model.": "language_model.model.",
+        "lm_head.": "language_model.lm_head.",
+        "model.vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+    }
+
+    def media_token_ids(self) -> dict[str, int]:
+        return {"image": self.config.image_token_id}
+
+    def media_token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1 on image tokens (Gemma 3's `token_type_ids`, whose runs attend both ways), 0 elsewhere."""
+        return (input_ids == self.config.image_token_id).int()
+
+    def position_ids(
+        self,
+        prompts: Sequence[Any],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
+    ) -> torch.Tensor:
+        """One id per attended token: both engines lay a plain language model's text out so."""
+        return text_positions(attention)
+
+    def freeze_vision(self, model: Any) -> None:
+        """The tower and the projector that maps its features to the language model's width."""
+        model.model.vision_tower.requires_grad_(False)
+        model.model.multi_modal_projector.requires_grad_(False)
+
+    def vision_layers(self, model: Any) -> nn.ModuleList:
+        """The tower's blocks, each an FSDP unit."""
+        return model.model.vision_tower.encoder.layers
+
+    def fsdp_units(self, model: Any) -> list[nn.Module]:
+        return [*self.vision_layers(model), *self.language_model(model).layers]
+
+    def lora_prefixes(self, include_vision: bool) -> tuple[str, ...]:
+        vision = ("model.vision_tower.", "model.multi_modal_projector.") if include_vision else ()
+        return ("model.language_model.", *vision)
