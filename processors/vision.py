@@ -14,13 +14,16 @@ def pixel_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, t
     Resizing here would let the processor and the prompt disagree on the token count, the
     classic "image features and image tokens do not match" failure. A processor that cuts images into
     tiles (`crop_to_patches`: GotOcr2's, which InternVL uses) is `tiled_inputs`'; one that cuts them into
-    any-resolution grids (`image_grid_pinpoints`: LLaVA-OneVision's) is `anyres_inputs`'.
+    any-resolution grids (`image_grid_pinpoints`: LLaVA-OneVision's) is `anyres_inputs`'; one that pads
+    images of their own sizes to one batch (`image_sizes`: Pixtral's) is `patch_inputs`'.
     """
     if hasattr(image_processor, "crop_to_patches"):
         return tiled_inputs(images, image_processor)
     if hasattr(image_processor, "image_grid_pinpoints"):
         return anyres_inputs(images, image_processor)
     out = image_processor(images=images, do_resize=False, return_tensors="pt")
+    if "image_sizes" in out:
+        return patch_inputs(out["pixel_values"], out["image_sizes"], image_processor.patch_size["height"])
     if "image_grid_thw" not in out:
         # One fixed square per image (Gemma 3's): one row of `pixel_values` each, its grid [1].
         return {
@@ -63,3 +66,16 @@ def anyres_inputs(images: list[Image.Image], image_processor: Any) -> dict[str, 
         pixels.append(torch.cat([crops, crops.new_zeros(padding, *crops.shape[1:])]))
         grids.append([rows + 1, columns + 1])
     return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
+
+
+def patch_inputs(pixels: torch.Tensor, sizes: torch.Tensor, patch: int) -> dict[str, torch.Tensor]:
+    """Images of their own sizes, which the processor zero-pads to the largest, as each one's patches row by
+    row (one (3, patch, patch) row of `pixel_values` each) and its `[rows, columns]` grid of patches: the
+    grid's product is the image's rows, as a Qwen grid's is, and no image carries another's padding."""
+    blocks, grids = [], []
+    for image, (height, width) in zip(pixels, sizes.tolist(), strict=True):
+        rows, columns = height // patch, width // patch
+        block = image[:, :height, :width].reshape(3, rows, patch, columns, patch).permute(1, 3, 0, 2, 4)
+        blocks.append(block.reshape(rows * columns, 3, patch, patch))
+        grids.append([rows, columns])
+    return {"pixel_values": torch.cat(blocks), "image_grid_thw": torch.tensor(grids)}

@@ -30,14 +30,15 @@ from mmrl.processors import (
     video_frame_size,
 )
 
-# InternVL cuts images into tiles, Gemma 3 resizes every image to one square and LLaVA-OneVision to a grid
-# of base squares instead of resizing them to a patch grid: test_family_internvl.py, test_family_gemma3.py
-# and test_family_llava_onevision.py check their sizing against their image processors.
+# InternVL cuts images into tiles, Gemma 3 resizes every image to one square, LLaVA-OneVision to a grid of
+# base squares and Mistral 3 within a longest edge instead of resizing them to a patch grid within a pixel
+# budget: test_family_internvl.py, test_family_gemma3.py, test_family_llava_onevision.py and
+# test_family_mistral3.py check their sizing against their image processors.
 VL_FAMILIES = sorted(
     {
         f.name
         for f in FAMILIES.values()
-        if f.takes_images and f.name not in ("internvl", "gemma3", "llava_onevision")
+        if f.takes_images and f.name not in ("internvl", "gemma3", "llava_onevision", "mistral3")
     }
 )
 # (width, height): 1x1-ish specks, 200:1 strips both ways, off-grid and ordinary photos.

@@ -8,6 +8,7 @@ from mmrl.models import (
     glm4v,  # noqa: F401  (registers the family: glm4v and glm4v_moe)
     internvl,  # noqa: F401
     llava_onevision,  # noqa: F401
+    mistral3,  # noqa: F401
     qwen2_5_vl,  # noqa: F401
     qwen2_vl,  # noqa: F401
     qwen3_5,  # noqa: F401  (qwen3_5 and qwen3_5_moe)

@@ -1,6 +1,7 @@
-"""What the LLaVA-layout families (InternVL, Gemma 3, LLaVA-OneVision) share, unlike the Qwen line.
+"""What the LLaVA-layout families (InternVL, Gemma 3, LLaVA-OneVision, Mistral 3) share, unlike the Qwen line.
 
-A vision tower (`model.vision_tower`) takes a batch of equal squares (tiles, crops), a projector
+A vision tower (`model.vision_tower`) takes a batch of images (equal tiles or crops; Pixtral's of their own
+sizes), a projector
 (`model.multi_modal_projector`) maps its features to the language model's width, and they replace the
 runs of one image token in a plain 1-D-position language model. transformers 5.19 saves these families
 under the names of their original LLaVA checkpoints, which vLLM's loader maps. Each family module keeps
@@ -23,7 +24,7 @@ from mmrl.processors import TRANSFORMERS_RULE, PositionRule
 class LlavaLayout(Family):
     """A LLaVA-layout family: one image token, 1-D positions, tower and projector beside the language model."""
 
-    packed_vision = False  # the tower takes a batch of equal squares, with no cu_seqlens
+    packed_vision = False  # the tower takes a batch of images, with no cu_seqlens
     qwen_turns = False  # env and tool turns would carry Qwen's image tokens: refused at start
     saved_prefixes: ClassVar[dict[str, str]] = {
         "model.language_model.": "language_model.model.",
