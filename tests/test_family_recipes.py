@@ -22,6 +22,11 @@ from mmrl.run.logger import read_metrics
         # vLLM 0.32's CPU linear attention takes bf16 only ("CPU GDN attention requires BF16"), and the
         # suite's AVX2 pin refuses bf16 matmuls: this one runs on the HF engine (README, supported models).
         ("qwen35_geo", "qwen3_5", ["rollout.engine=hf"]),
+        ("glm41v_geo_lora", "glm4v", []),
+        ("internvl35_geo_lora", "internvl", []),
+        ("gemma3_geo_lora", "gemma3", []),
+        ("llava_onevision_geo_lora", "llava_onevision", []),
+        ("mistral3_geo_lora", "mistral3", []),
     ],
 )
 def test_family_recipe_runs_two_steps_on_cpu(recipe, family, extra, tmp_path, tiny_family_dir) -> None:
