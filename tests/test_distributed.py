@@ -98,8 +98,9 @@ def _two_worker_update(cfg, batch, plan):
 
 
 # Qwen3-VL-MoE runs the dense Qwen3-VL adapter's vision and text paths plus its experts, so it stands
-# for both (a minute of the suite's budget per case saved).
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])
+# for both (a minute of the suite's budget per case saved); LLaVA-OneVision stands for the LLaVA layout
+# (`mmrl.models.llava`: InternVL, Gemma 3, Mistral 3), its SigLIP layers and its projector.
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "llava_onevision"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_fsdp_workers_update_exactly_like_one_process(
     local_ray, tmp_path, tiny_family_dir, family, lora
