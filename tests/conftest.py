@@ -99,6 +99,7 @@ RECORDED_S: dict[str, float] = {
     "test_learning.py::test_quickstart_recipe_learns_with_rollouts_one_update_behind": 125,
     "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl": 200,  # up to 3 seeds
     "test_learning.py::test_quickstart_recipe_learns": 115,
+    "test_learning.py::test_quickstart_recipe_takes_a_tiny_llava_onevision": 200,  # up to 2 seeds
     "test_recipe_learns_colour_from_pixels[drgrpo]": 140,
     "test_recipe_learns_colour_from_pixels[lora]": 120,
     "test_recipe_learns_colour_from_pixels[dapo]": 115,
