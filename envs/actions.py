@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["ActionStats", "ActionTokenizer", "InvalidAction"]
+__all__ = ["ActionStats", "ActionTokenizer", "ContinuousActions", "InvalidAction"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,3 +175,33 @@ class ActionTokenizer:
             )
         centres = -1.0 + (bins.reshape(self.chunk, self.action_dim) + 0.5) * (2.0 / self.n_bins)
         return self.stats.unnormalize(centres) if self.stats is not None else centres
+
+
+@dataclass(frozen=True)
+class ContinuousActions:
+    """A continuous head's actions: ``chunk`` steps of ``action_dim`` values in [-1, 1], the demos'
+    q01/q99 mapped onto that range as the tokenizer's bins are. One action query per chunk step."""
+
+    action_dim: int
+    chunk: int = 1
+    stats: ActionStats | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        """Action queries per decision: one per chunk step."""
+        return self.chunk
+
+    def encode(self, actions: np.ndarray) -> np.ndarray:
+        """Normalised ``(chunk, action_dim)`` targets for one decision's env actions."""
+        a = np.asarray(actions, dtype=np.float64).reshape(self.chunk, self.action_dim)
+        return self.stats.normalize(a) if self.stats is not None else np.clip(a, -1.0, 1.0)
+
+    def decode(self, values: np.ndarray) -> np.ndarray | InvalidAction:
+        """Env actions for a sampled chunk: clipped to [-1, 1] (a Gaussian's tail), then unnormalised."""
+        a = np.asarray(values, dtype=np.float64)
+        if a.shape != (self.chunk, self.action_dim):
+            return InvalidAction("length", f"expected a ({self.chunk}, {self.action_dim}) chunk, got {a.shape}")
+        if not np.all(np.isfinite(a)):
+            return InvalidAction("out_of_range", "the head emitted a non-finite action")
+        a = np.clip(a, -1.0, 1.0)
+        return self.stats.unnormalize(a) if self.stats is not None else a

@@ -64,6 +64,18 @@ class SftConfig(OptimSection):
         description="What the clone is taught at each demo frame: the noisy action the demo executed, or "
         "the expert's noise-free action there (DART: noise only widens the states the demos visit)",
     )
+    policy: Literal["tokens", "gaussian"] = Field(
+        "tokens",
+        description="What the clone emits: action tokens (256 bins a dimension, OpenVLA), or a continuous "
+        "chunk from a head on the backbone, decoded in one forward and taught by L1 (OpenVLA-OFT), which RL "
+        "samples as a Gaussian",
+    )
+    action_std: float = Field(
+        0.2, gt=0, description="policy: gaussian: the head's starting standard deviation, in normalised units"
+    )
+    learn_std: bool = Field(
+        True, description="policy: gaussian: RL learns the standard deviation; else it stays"
+    )
     steps: int = Field(300, gt=0, description="Optimizer steps (the schedule's length)")
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, gt=0)

@@ -20,7 +20,7 @@ from mmrl.sources.episodes import make_envs
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
-from mmrl.vla.sft import load_action_tokenizer
+from mmrl.vla.sft import policy_actions
 
 
 def evaluate_episodes(
@@ -34,11 +34,11 @@ def evaluate_episodes(
     if count < 1:
         raise ConfigError("no evaluation episodes: set env.val_episodes or pass --episodes")
     model_dir, model, processor, engine = load_for_eval(cfg, checkpoint)
-    tokenizer = load_action_tokenizer(model_dir) or load_action_tokenizer(cfg.model.path)
+    tokenizer = policy_actions(model_dir) or policy_actions(cfg.model.path)
     if tokenizer is None:
         raise ConfigError(
-            f"{model_dir} has no action_tokenizer.json (nor has model.path {cfg.model.path}): evaluate a "
-            "checkpoint of an env run, or a model written by `mmrl sft`"
+            f"{model_dir} has no action_tokenizer.json or action head (nor has model.path {cfg.model.path}): "
+            "evaluate a checkpoint of an env run, or a model written by `mmrl sft`"
         )
     v = cfg.rollout.val
     envs = make_envs(cfg, count)

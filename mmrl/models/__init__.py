@@ -16,6 +16,14 @@ from mmrl.models import (
     qwen3_vl_moe,  # noqa: F401
     text,  # noqa: F401
 )
+from mmrl.models.action_head import (
+    GaussianActionHead,
+    HeadSpec,
+    action_head_of,
+    attach_action_head,
+    head_spec,
+    load_head_weights,
+)
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
 from mmrl.models.loading import (
     ACTION_TOKENS,
@@ -39,13 +47,19 @@ __all__ = [
     "FAMILIES",
     "SHARDED_MARKER",
     "Family",
+    "GaussianActionHead",
     "Grid",
+    "HeadSpec",
     "UnsupportedModelError",
+    "action_head_of",
+    "attach_action_head",
     "autocast_for",
     "build_tiny",
     "build_tokenizer",
     "family_of",
+    "head_spec",
     "load_config",
+    "load_head_weights",
     "load_policy",
     "load_processor",
     "model_folder",

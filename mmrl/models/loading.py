@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedModel
 
+from mmrl.models.action_head import load_action_head, save_action_head, without_action_head
 from mmrl.models.family import family_of
 from mmrl.models.vision_attention import use_varlen_vision_attention
 
@@ -78,7 +79,9 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     model = family.load_class().from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     if family.packed_vision:
         use_varlen_vision_attention(model)
-    return model.to(device)
+    model = model.to(device)
+    load_action_head(model, folder)  # a continuous-action VLA policy's head, saved beside the backbone
+    return model
 
 
 # A tokenizer's vocabulary lives in one of these (the fast tokenizer's file, a sentencepiece model, or a
@@ -150,9 +153,12 @@ def save_model(model: Any, processor: Any, out: str | Path) -> Path:
     transformers writes weights as it holds them. Where a family's released checkpoints lay a tensor out
     otherwise (Qwen3-VL-MoE's fused experts), vLLM's loader reads only the released layout and
     transformers reads both, so the weight files are rewritten in the released layout. A LoRA adapter
-    (peft) is written as peft writes it."""
+    (peft) is written as peft writes it. A continuous action head goes into files of its own beside it."""
     out = Path(out)
-    model.save_pretrained(out)
+    with without_action_head(model) as head:
+        model.save_pretrained(out)
+    if head is not None:
+        save_action_head(head, out)
     processor.save_pretrained(out)
     family = family_of(model)
     if family.relaid_out and not hasattr(model, "peft_config"):

@@ -8,11 +8,14 @@ from typing import Any
 import torch
 
 from mmrl.config import VLLMConfig
+from mmrl.models import action_head_of
+from mmrl.rollout.action_head import ActionHeadEngine
 from mmrl.rollout.base import RolloutEngine, SamplingParams
 from mmrl.rollout.hf import HFEngine
 from mmrl.rollout.vllm import VLLMEngine, vllm_available
 
 __all__ = [
+    "ActionHeadEngine",
     "HFEngine",
     "RolloutEngine",
     "SamplingParams",
@@ -49,7 +52,15 @@ def make_engine(
     seed: int = 0,
 ) -> RolloutEngine:
     """The configured engine. vLLM loads the architecture from `model_path` and then takes the weights
-    of `model` at every `sync_weights`; `pixels` is the (min, max) budget images were sized with."""
+    of `model` at every `sync_weights`; `pixels` is the (min, max) budget images were sized with. A policy
+    with a continuous action head samples from its head (`ActionHeadEngine`): it decodes no tokens."""
+    head = action_head_of(model)
+    if head is not None:
+        if kind == "vllm":
+            raise ValueError(
+                "rollout.engine=vllm: a continuous action head runs in mmrl's own engine; set hf"
+            )
+        return ActionHeadEngine(model, head, processor, compute_dtype)
     if resolve_engine(kind) == "hf":
         return HFEngine(model, processor, compute_dtype)
     if model_path is None:

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from mmrl.errors import ConfigError
-from mmrl.models import save_model
+from mmrl.models import action_head_of, load_head_weights, save_model
+from mmrl.models.action_head import ATTRIBUTE
 
 log = logging.getLogger("mmrl.run.checkpoint")
 MANIFEST = "manifest.json"
@@ -222,6 +223,10 @@ def load_model_weights(model: Any, folder: Path) -> None:
         )
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     del saved
+    head = action_head_of(model)  # a continuous-action policy's head: saved beside the backbone
+    if head is not None:
+        load_head_weights(head, source)
+        missing = [k for k in missing if not k.startswith(f"{ATTRIBUTE}.")]
     if unexpected or set(missing) - tied:
         raise RuntimeError(
             f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"

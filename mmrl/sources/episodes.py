@@ -24,10 +24,10 @@ from mmrl.rollout import SamplingParams
 from mmrl.run.checkpoint import rng_devices
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.training.optim import UpdatePlan
-from mmrl.vla.episodes import Episodes, run_episodes
+from mmrl.vla.episodes import Actions, Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
-from mmrl.vla.sft import load_action_tokenizer, save_action_tokenizer
+from mmrl.vla.sft import policy_actions, save_action_tokenizer
 
 
 def train_env_count(cfg: Any) -> int:
@@ -67,10 +67,11 @@ def train_seeds(seed: int, step: int, count: int, below: int) -> list[int]:
     return np.random.default_rng([seed, step, 3]).integers(0, below, size=count).tolist()
 
 
-def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: int) -> ActionTokenizer:
-    """The tokenizer `mmrl sft` saved beside the model, or fresh bins over [-1, 1] for a model never
-    taught actions (then RL must discover the action tokens on its own)."""
-    saved = load_action_tokenizer(model_path)
+def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: int) -> Actions:
+    """How the policy `mmrl sft` saved acts (its action tokens' bins or its continuous head's chunks),
+    or fresh bins over [-1, 1] for a model never taught actions (then RL must discover the action tokens
+    on its own)."""
+    saved = policy_actions(model_path)
     if saved is not None:
         if saved.action_dim != action_dim:
             raise ValueError(
@@ -175,7 +176,9 @@ class EpisodeSource(RolloutSource):
         raise ConfigError("episode runs start from demonstrations (`mmrl sft`), not a format warm-up")
 
     def save_files(self, model_folder: Path) -> None:
-        save_action_tokenizer(self.action_tokenizer, model_folder)
+        """The action tokenizer beside the checkpoint's model (a continuous head's files are the model's)."""
+        if isinstance(self.action_tokenizer, ActionTokenizer):
+            save_action_tokenizer(self.action_tokenizer, model_folder)
 
     def close(self) -> None:
         self.envs.close()

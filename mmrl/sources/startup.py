@@ -39,6 +39,7 @@ def check_startup(cfg: Config, command: str) -> None:
         family = check_model("model.path", cfg.model.path)
         check_turns(cfg, "model.path", family)
         settle_engine(cfg, family)
+        check_action_head(cfg)
         check_writable("trainer.output_dir", cfg.trainer.output_dir)
     if cfg.env is not None:
         check_env("env.task", cfg.env.task, cfg.env.options)
@@ -103,6 +104,29 @@ def settle_engine(cfg: Config, family: Any) -> None:
             f"rollout.engine=vllm: {family.name} models do not run on mmrl's vLLM engine yet "
             f"({family.vllm_unsupported}); set rollout.engine=hf"
         )
+    cfg.rollout.engine = "hf"
+
+
+def check_action_head(cfg: Config) -> None:
+    """A policy with a continuous action head (`mmrl sft` with `sft.policy: gaussian`) trains full-weight in
+    the trainer's process and samples from its own head; a setting that would take it elsewhere is refused
+    in one line. `rollout.engine: auto` becomes `hf`, the only engine that runs the head."""
+    from mmrl.models import head_spec
+
+    if head_spec(cfg.model.path) is None:
+        return
+    refused = {
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",
+        "model.lora": bool(cfg.model.lora.rank),
+        "FSDP workers (trainer.ray_address, trainer.n_gpus_per_node > 1)": cfg.trainer.uses_workers,
+    }
+    for setting, asked in refused.items():
+        if asked:
+            raise ConfigError(
+                f"{setting}: {cfg.model.path} is a policy with a continuous action head, which trains in one "
+                "process, full-weight, sampling from its own head; drop the setting, or clone a token policy "
+                "(sft.policy: tokens)"
+            )
     cfg.rollout.engine = "hf"
 
 

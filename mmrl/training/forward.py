@@ -20,7 +20,7 @@ from mmrl.algorithms import (
 )
 from mmrl.data.batch import Batch, left_pad
 from mmrl.data.sample import POSITION_RULE
-from mmrl.models import autocast_for, family_of, never_generated_ids
+from mmrl.models import GaussianActionHead, action_head_of, autocast_for, family_of, never_generated_ids
 from mmrl.processors import TRANSFORMERS_RULE
 from mmrl.training.media import PromptMedia
 from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
@@ -159,7 +159,13 @@ def forward_logprobs(
 
     Entropy is returned without a graph: it is a metric, and an autograd graph over (B, T, V)
     softmaxes would cost gigabytes at real vocabulary sizes. The entropy bonus asks for
-    `with_entropy="grad"`."""
+    `with_entropy="grad"`. A policy with a continuous action head scores its sampled `actions` instead
+    (`chunk_logprobs`)."""
+    head = action_head_of(model)
+    if head is not None:
+        return chunk_logprobs(
+            model, head, batch, pad_id, temperature, with_entropy, compute_dtype, router_losses, padding_free
+        )
     with autocast_for(model, compute_dtype):
         logits = response_logits(model, batch, pad_id, router_losses, padding_free).float() / temperature
         logits = block_tokens(logits, never_generated_ids(model.config))
@@ -172,6 +178,50 @@ def forward_logprobs(
         with torch.no_grad():
             entropy = _rows(scored, entropy_from_logits(logits.detach()))
     return logp, entropy
+
+
+def chunk_logprobs(
+    model: Any,
+    head: GaussianActionHead,
+    batch: Batch,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool | Literal["grad"] = False,
+    compute_dtype: torch.dtype = torch.float32,
+    router_losses: list[torch.Tensor] | None = None,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-densities (B, chunk) of a continuous head's sampled `actions` (B, chunk, action_dim), one per
+    chunk step, and optionally its entropy: the token path's contract, so the PPO ratio, the KL and the
+    aggregation modes treat each chunk step as the token path treats a token. The response is the
+    action queries; the head reads the hidden states that predict them, in fp32."""
+    with autocast_for(model, compute_dtype):
+        hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
+    logp = head.log_prob(hidden, batch["actions"].to(hidden.device), temperature)
+    entropy = None
+    if with_entropy == "grad":
+        entropy = head.entropy(hidden, temperature)
+    elif with_entropy:
+        with torch.no_grad():
+            entropy = head.entropy(hidden.detach(), temperature)
+    return logp, entropy
+
+
+def query_batch(prompts: list[Any], rows: list[int] | torch.Tensor, head: GaussianActionHead) -> Batch:
+    """Rows of `prompts` (by index) each followed by the head's action queries as its response."""
+    queries = torch.tensor(head.spec.query_ids).expand(len(rows), -1)
+    tensors = {
+        "prompt_index": torch.as_tensor(rows),
+        "response_ids": queries.clone(),
+        "response_mask": torch.ones_like(queries),
+    }
+    return Batch(tensors=tensors, prompts=prompts)
+
+
+def head_means(model: Any, head: GaussianActionHead, batch: Batch, pad_id: int) -> torch.Tensor:
+    """The head's mean chunk (B, chunk, action_dim) for each row's prompt: what it does greedily, what
+    behaviour cloning regresses, and the centre the engine samples around."""
+    return head.mean(response_hidden(model, batch, pad_id))
 
 
 def _rows(scored: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""One cross-entropy step on given responses: the format warm-up and behaviour cloning (`mmrl sft`)
-both teach by example through the same forward the RL update uses, so what they teach is what RL sees."""
+"""One supervised step on given responses: the format warm-up and behaviour cloning (`mmrl sft`) both
+teach by example through the same forward the RL update uses, so what they teach is what RL sees. A
+policy with a continuous action head is taught its demos' action chunks by L1 regression instead."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from mmrl.data.batch import Batch, right_pad
 from mmrl.data.sample import PromptSample
-from mmrl.training.forward import forward_logprobs
+from mmrl.models import action_head_of
+from mmrl.training.forward import forward_logprobs, head_means, query_batch
 
 
 def supervised_step(
@@ -44,6 +46,34 @@ def supervised_batch_step(
     model.train()
     logp, _ = forward_logprobs(model, batch, pad_id)
     loss = -(logp * mask.to(logp.device)).sum() / mask.sum().clamp(min=1)
+    return _descend(model, optimizer, loss, max_grad_norm)
+
+
+def regression_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    prompts: list[PromptSample],
+    rows: list[int],
+    targets: torch.Tensor,
+    pad_id: int,
+    max_grad_norm: float | None = None,
+) -> float:
+    """Mean L1 distance between a continuous head's mean chunk after prompt `prompts[rows[i]]` and
+    `targets[i]` (chunk, action_dim), normalised actions: OpenVLA-OFT's loss, robust to the noisy
+    demos' outliers. One step, as `supervised_step`."""
+    head = action_head_of(model)
+    if head is None:
+        raise ValueError("regression_step needs a model with a continuous action head (attach_action_head)")
+    model.train()
+    means = head_means(model, head, query_batch(prompts, rows, head), pad_id)
+    loss = (means - targets.to(means)).abs().mean()
+    return _descend(model, optimizer, loss, max_grad_norm)
+
+
+def _descend(
+    model: Any, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float | None
+) -> float:
+    """One optimizer step down `loss`, its gradient clipped to `max_grad_norm` when given; the loss."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm is not None:

@@ -1,6 +1,7 @@
 """Episodes in lockstep: every live env gets a decision from one batched `generate` call per step.
 
-A decision is one response of `tokenizer.n_tokens` action tokens to one frame. The batch that comes
+A decision is one response of `tokenizer.n_tokens` action tokens to one frame, or, for a policy with a
+continuous action head, one chunk its engine drew (`actions`). The batch that comes
 back has a row per decision, each pointing at its own prompt (its frame), plus `episode_index`
 and `group_index` columns: episodes that started from the same seed form a group, as the n
 responses to one prompt do in GRPO on text. Step-level estimators (GiGPO) also get each decision's
@@ -19,13 +20,16 @@ import torch
 
 from mmrl.data.batch import Batch, concat
 from mmrl.data.sample import PromptSample
-from mmrl.envs.actions import ActionTokenizer, InvalidAction
+from mmrl.envs.actions import ActionTokenizer, ContinuousActions, InvalidAction
 from mmrl.envs.vector import VectorEnv
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.base import RolloutEngine
 from mmrl.vla.observations import ObservationPrompts
 
 log = logging.getLogger("mmrl.vla")
+
+# How a policy's decisions become env actions: its action tokens' bins, or its continuous head's chunk.
+Actions = ActionTokenizer | ContinuousActions
 
 
 @dataclass
@@ -52,7 +56,7 @@ def run_episodes(
     engine: RolloutEngine,
     envs: VectorEnv,
     prompts: ObservationPrompts,
-    tokenizer: ActionTokenizer,
+    tokenizer: Actions,
     seeds: list[int],
     params: SamplingParams,
     *,
@@ -101,7 +105,7 @@ def _run_wave(
     engine: RolloutEngine,
     envs: VectorEnv,
     prompts: ObservationPrompts,
-    tokenizer: ActionTokenizer,
+    tokenizer: Actions,
     seeds: list[int],
     params: SamplingParams,
     invalid_penalty: float,
@@ -128,8 +132,10 @@ def _run_wave(
         before = returns[idx].copy()
         chunks: list[np.ndarray | None] = [None] * n
         for row, i in enumerate(idx):
-            ids = out["response_ids"][row][out["response_mask"][row].bool()].tolist()
-            action = tokenizer.decode(ids)
+            if "actions" in out:  # a continuous head's chunk
+                action = tokenizer.decode(out["actions"][row].numpy())
+            else:
+                action = tokenizer.decode(out["response_ids"][row][out["response_mask"][row].bool()].tolist())
             if isinstance(action, InvalidAction):
                 invalid[action.kind] = invalid.get(action.kind, 0) + 1
                 log.debug("episode %d (seed %d): invalid action: %s", i, seeds[i], action.reason)

@@ -2,14 +2,16 @@
 
 The expert is deliberately imperfect (`mmrl.envs.experts`), so the cloned policy succeeds sometimes and RL
 has room to improve it. The output folder is a plain model folder plus `action_tokenizer.json`,
-the bins and q01/q99 statistics the policy was taught with; `mmrl train` and `mmrl eval` read it.
+the bins and q01/q99 statistics the policy was taught with; `mmrl train` and `mmrl eval` read it. With
+`sft.policy: gaussian` it is the backbone plus a continuous action head (`mmrl.models.action_head`),
+whose files hold the statistics instead.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,9 +22,19 @@ from transformers import AutoConfig
 from mmrl.config import Config, SftConfig
 from mmrl.data.dataset import image_budget
 from mmrl.envs.actions import ActionStats, ActionTokenizer
-from mmrl.models import ACTION_TOKENS, load_policy, load_processor, save_model
+from mmrl.models import (
+    ACTION_TOKENS,
+    HeadSpec,
+    action_head_of,
+    attach_action_head,
+    head_spec,
+    load_policy,
+    load_processor,
+    save_model,
+)
 from mmrl.training.optim import make_optimizer
-from mmrl.training.supervised import supervised_step
+from mmrl.training.supervised import regression_step, supervised_step
+from mmrl.vla.episodes import Actions
 from mmrl.vla.observations import ObservationPrompts, frame_history
 
 if TYPE_CHECKING:  # the experts import MuJoCo, which only `mmrl sft` needs
@@ -41,16 +53,23 @@ def load_action_tokenizer(folder: str | Path) -> ActionTokenizer | None:
     return ActionTokenizer.from_dict(json.loads(path.read_text())) if path.exists() else None
 
 
+def policy_actions(folder: str | Path) -> Actions | None:
+    """How the policy saved in `folder` acts: its continuous head's chunks, its action tokens' bins, or
+    None for a model that was never taught actions."""
+    spec = head_spec(folder)
+    return spec.actions if spec is not None else load_action_tokenizer(folder)
+
+
 def demo_labels(demo: Demo, labels: str = "executed") -> np.ndarray:
     """The actions a demo teaches: those it executed, or the expert's noise-free ones (`sft.labels`)."""
     return demo.expert_actions if labels == "expert" else demo.actions
 
 
 def demo_steps(
-    demos: list[Demo], tokenizer: ActionTokenizer, labels: str = "executed"
-) -> list[tuple[Demo, int, list[int]]]:
-    """(demo, t, target ids) for every decision: the chunk of actions starting at step t, the last
-    action repeated where the episode ends inside a chunk."""
+    demos: list[Demo], tokenizer: Actions, labels: str = "executed"
+) -> list[tuple[Demo, int, Any]]:
+    """(demo, t, target) for every decision: the chunk of actions starting at step t, the last action
+    repeated where the episode ends inside a chunk, as target ids or a continuous head's normalised chunk."""
     steps = []
     for demo in demos:
         actions = demo_labels(demo, labels)
@@ -63,15 +82,16 @@ def demo_steps(
 def behaviour_clone(
     model: torch.nn.Module,
     prompts: ObservationPrompts,
-    steps: list[tuple[Demo, int, list[int]]],
+    steps: list[tuple[Demo, int, Any]],
     *,
     sft: SftConfig,
     seed: int,
     pad_id: int,
     progress: Progress | None = None,
 ) -> list[float]:
-    """`sft.steps` AdamW steps (on `sft`'s schedule) of cross-entropy on random mini-batches of demo
-    decisions; the losses."""
+    """`sft.steps` AdamW steps (on `sft`'s schedule) on random mini-batches of demo decisions, the losses:
+    cross-entropy on action tokens, or L1 on a continuous head's chunks (`regression_step`)."""
+    regress = action_head_of(model) is not None
     rng = np.random.default_rng([seed, 2])
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer, schedule = make_optimizer(trained, sft, sft.steps)
@@ -88,13 +108,15 @@ def behaviour_clone(
             ],
             frames=[frame_history(d.frames, t, prompts.history) for d, t, _ in picked],
         )
+        targets = [target for *_, target in picked]
+        step = regression_step if regress else supervised_step
         losses.append(
-            supervised_step(
+            step(
                 model,
                 optimizer,
                 samples,
                 list(range(len(picked))),
-                [ids for *_, ids in picked],
+                torch.tensor(np.stack(targets), dtype=torch.float32) if regress else targets,
                 pad_id,
                 sft.max_grad_norm,
             )
@@ -133,17 +155,12 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         if not used:
             raise ValueError("sft.success_only: no demo succeeded; lower sft.noise or add demos")
         model_config = AutoConfig.from_pretrained(sft.base_model)
-        tokenizer = ActionTokenizer.for_vocab(
-            model_config.get_text_config().vocab_size,
-            used[0].actions.shape[1],
-            n_bins=env.n_bins,
-            chunk=env.chunk,
-            stats=ActionStats.from_demos([demo_labels(d, sft.labels) for d in used]),
-        )
+        stats = ActionStats.from_demos([demo_labels(d, sft.labels) for d in used])
         processor = load_processor(sft.base_model)
         model = load_policy(sft.base_model, torch.float32, cfg.trainer.torch_device())
-        # The policy emits, and is scored over, its action bins alone (`never_generated_ids`).
-        setattr(model.config, ACTION_TOKENS, [tokenizer.start_id, tokenizer.start_id + tokenizer.n_bins])
+        tokenizer = policy_head(
+            model, model_config, sft, env.n_bins, env.chunk, used[0].actions.shape[1], stats
+        )
         steps = demo_steps(used, tokenizer, sft.labels)
         losses = behaviour_clone(
             model,
@@ -155,9 +172,12 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             progress=progress,
         )
     out.mkdir(parents=True, exist_ok=True)
-    save_model(model, processor, out)
-    save_action_tokenizer(tokenizer, out)
-    prior = label_prior_loss([ids for *_, ids in steps])
+    save_model(model, processor, out)  # with a continuous head, its files too
+    if isinstance(tokenizer, ActionTokenizer):
+        save_action_tokenizer(tokenizer, out)
+        prior = label_prior_loss([ids for *_, ids in steps])
+    else:
+        prior = median_l1([chunk for *_, chunk in steps])
     report = {
         "demos": len(demos),
         "demo_success": rate,
@@ -178,6 +198,41 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
             "more visual tokens (data.max_pixels).[/yellow]"
         )
     return out
+
+
+def policy_head(
+    model: Any,
+    model_config: Any,
+    sft: SftConfig,
+    n_bins: int,
+    chunk: int,
+    action_dim: int,
+    stats: ActionStats,
+) -> Actions:
+    """What `model` will emit, set up on it: action bins on the vocabulary's last ids, which then become
+    the only ids it may emit (`never_generated_ids`), or a fresh continuous head (`sft.policy`)."""
+    vocab = model_config.get_text_config().vocab_size
+    if sft.policy == "gaussian":
+        spec = HeadSpec(
+            action_dim=action_dim,
+            chunk=chunk,
+            query_start=vocab - chunk,
+            hidden_size=model_config.get_text_config().hidden_size,
+            std_init=sft.action_std,
+            learn_std=sft.learn_std,
+            stats=stats.to_dict(),
+        )
+        return attach_action_head(model, spec).spec.actions
+    tokenizer = ActionTokenizer.for_vocab(vocab, action_dim, n_bins=n_bins, chunk=chunk, stats=stats)
+    setattr(model.config, ACTION_TOKENS, [tokenizer.start_id, tokenizer.start_id + tokenizer.n_bins])
+    return tokenizer
+
+
+def median_l1(targets: list[np.ndarray]) -> float:
+    """The L1 loss of a head that ignores its observations and always emits each dimension's median:
+    the continuous counterpart of `label_prior_loss`."""
+    chunks = np.stack(targets)
+    return float(np.abs(chunks - np.median(chunks, axis=0)).mean())
 
 
 def loss_curve(losses: list[float], points: int = 20) -> list[float]:

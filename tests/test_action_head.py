@@ -1,0 +1,203 @@
+"""A continuous action head on the VLM backbone (`mmrl.models.action_head`), on a real tiny Qwen2.5-VL and
+real MuJoCo frames: the Gaussian's log-density against its formula, sampled chunks' log-probs recomputed by
+the trainer, cloning by L1, saving beside the backbone, exact resume, and what it refuses at start."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_vla_config
+from safetensors.torch import load_file
+
+from mmrl.config import SftConfig
+from mmrl.envs.actions import ActionStats, ContinuousActions, InvalidAction
+from mmrl.envs.vector import LocalEnvs
+from mmrl.errors import ConfigError
+from mmrl.models import (
+    GaussianActionHead,
+    HeadSpec,
+    action_head_of,
+    attach_action_head,
+    load_policy,
+    load_processor,
+    save_model,
+)
+from mmrl.processors import PixelBudget
+from mmrl.rollout import SamplingParams, make_engine
+from mmrl.rollout.action_head import ActionHeadEngine
+from mmrl.sources.startup import check_action_head
+from mmrl.trainer import Trainer
+from mmrl.training.forward import forward_logprobs, head_means, query_batch
+from mmrl.training.optim import make_optimizer
+from mmrl.training.supervised import regression_step
+from mmrl.vla.episodes import run_episodes
+from mmrl.vla.observations import ObservationPrompts
+from mmrl.vla.sft import median_l1
+
+BUDGET = PixelBudget(min_pixels=56 * 56, max_pixels=56 * 56)
+STATS = ActionStats(q01=np.array([-2.0, -1.0]), q99=np.array([2.0, 3.0]))
+
+
+def spec_for(model, chunk: int = 3, std: float = 0.3) -> HeadSpec:
+    text = model.config.get_text_config()
+    return HeadSpec(
+        action_dim=2,
+        chunk=chunk,
+        query_start=text.vocab_size - chunk,
+        hidden_size=text.hidden_size,
+        std_init=std,
+        stats=STATS.to_dict(),
+    )
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a fresh 3-step head, saved as `mmrl sft` saves a gaussian policy."""
+    model = load_policy(tiny_model_dir)
+    torch.manual_seed(0)
+    attach_action_head(model, spec_for(model))
+    return save_model(model, load_processor(tiny_model_dir), tmp_path_factory.mktemp("head") / "policy")
+
+
+@pytest.fixture(scope="module")
+def frames():
+    """Prompts of three reach frames."""
+    envs = LocalEnvs("reach", 3, {"image_size": 56})
+    obs = [r[0] for r in envs.reset([1, 2, 3])]
+    envs.close()
+    return obs
+
+
+def test_the_head_density_is_the_gaussian_formula_summed_over_each_steps_dimensions() -> None:
+    torch.manual_seed(0)
+    spec = HeadSpec(action_dim=2, chunk=2, query_start=0, hidden_size=4, std_init=0.5)
+    head = GaussianActionHead(spec)
+    with torch.no_grad():
+        head.log_std.copy_(torch.log(torch.tensor([0.5, 0.25])))
+    hidden = torch.randn(1, 2, 4)
+    actions = torch.tensor([[[0.1, -0.3], [0.7, 0.2]]])
+    mean = torch.tanh(head.net(hidden))
+    for temperature in (1.0, 0.5):
+        std = torch.tensor([0.5, 0.25]) * temperature
+        by_hand = (-0.5 * ((actions - mean) / std) ** 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)).sum(
+            -1
+        )
+        assert torch.allclose(head.log_prob(hidden, actions, temperature), by_hand, atol=1e-6)
+        entropy = (0.5 + 0.5 * math.log(2 * math.pi) + torch.log(std)).sum()
+        assert torch.allclose(head.entropy(hidden, temperature), entropy.expand(1, 2), atol=1e-6)
+
+
+def test_continuous_actions_map_the_demo_range_onto_minus_one_to_one_and_back() -> None:
+    actions = ContinuousActions(action_dim=2, chunk=2, stats=STATS)
+    env = np.array([[0.0, 1.0], [2.0, -1.0]])
+    assert np.allclose(actions.encode(env), [[0.0, 0.0], [1.0, -1.0]])
+    assert np.allclose(actions.decode(actions.encode(env)), env)
+    assert np.allclose(
+        actions.decode(np.array([[3.0, -5.0], [0.0, 0.0]])), [[2.0, -1.0], [0.0, 1.0]]
+    )  # a tail clipped
+    assert isinstance(actions.decode(np.zeros((1, 2))), InvalidAction)
+    assert actions.decode(np.array([[np.nan, 0.0], [0.0, 0.0]])).kind == "out_of_range"
+
+
+def test_sampled_chunks_log_probs_recomputed_by_the_trainer_equal_those_recorded(head_dir, frames) -> None:
+    model, processor = load_policy(head_dir), load_processor(head_dir)
+    assert action_head_of(model) is not None, "load_policy attaches the saved head"
+    engine = make_engine("hf", model, processor, torch.float32)
+    assert isinstance(engine, ActionHeadEngine)
+    prompts = ObservationPrompts(processor, BUDGET)(frames)
+    pad = processor.tokenizer.pad_token_id
+    for temperature in (1.0, 0.6):
+        torch.manual_seed(1)
+        batch = engine.generate(prompts, SamplingParams(n=2, temperature=temperature))
+        assert batch["actions"].shape == (6, 3, 2) and batch["rollout_logprobs"].shape == (6, 3)
+        assert not torch.equal(batch["actions"][0], batch["actions"][1]), "two draws from one prompt differ"
+        with torch.no_grad():
+            logp, entropy = forward_logprobs(model.eval(), batch, pad, temperature, with_entropy=True)
+        assert (logp - batch["rollout_logprobs"]).abs().max() < 1e-5
+        assert entropy is not None and entropy.shape == (6, 3)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0))
+    with torch.no_grad():
+        means = head_means(
+            model, action_head_of(model), query_batch(prompts, [0, 1, 2], action_head_of(model)), pad
+        )
+    assert torch.allclose(greedy["actions"], means, atol=1e-6)
+
+
+def test_episodes_execute_the_heads_chunks_open_loop(head_dir) -> None:
+    model, processor = load_policy(head_dir), load_processor(head_dir)
+    engine = make_engine("hf", model, processor, torch.float32)
+    envs = LocalEnvs("reach", 2, {"image_size": 56, "max_steps": 7})
+    torch.manual_seed(0)
+    episodes = run_episodes(
+        engine, envs, ObservationPrompts(processor, BUDGET), action_head_of(model).spec.actions, [5, 6],
+        SamplingParams(temperature=1.0),
+    )  # fmt: skip
+    envs.close()
+    assert episodes.lengths.tolist() == [3, 3]  # 7 steps in chunks of 3: three decisions each
+    assert episodes.invalid == {} and episodes.batch["actions"].shape == (6, 3, 2)
+
+
+def test_cloning_regresses_the_head_mean_onto_the_demo_chunks(head_dir, frames) -> None:
+    model, processor = load_policy(head_dir), load_processor(head_dir)
+    prompts = ObservationPrompts(processor, BUDGET)(frames)
+    targets = torch.tensor([[[0.5, -0.5]] * 3, [[-0.2, 0.4]] * 3, [[0.0, 0.8]] * 3])
+    sft = SftConfig(base_model=str(head_dir), lr=3e-3, steps=100)
+    optimizer, _ = make_optimizer([p for p in model.parameters() if p.requires_grad], sft, sft.steps)
+    losses = [regression_step(model, optimizer, prompts, [0, 1, 2], targets, 0) for _ in range(sft.steps)]
+    prior = median_l1(list(targets.numpy()))  # the loss of one chunk for every frame: 0.33
+    assert losses[-1] < 0.5 * prior, f"L1 {losses[0]:.3f} -> {losses[-1]:.3f}, the median's {prior:.3f}"
+
+
+def test_the_head_is_saved_beside_a_plain_backbone_and_loads_whole(head_dir, tiny_model_dir) -> None:
+    assert json.loads((head_dir / "action_head.json").read_text())["chunk"] == 3
+    backbone = load_file(head_dir / "model.safetensors")
+    assert not any(k.startswith("action_head") for k in backbone), "transformers and vLLM load the folder"
+    assert (
+        load_file(head_dir / "model.safetensors").keys()
+        == load_file(tiny_model_dir / "model.safetensors").keys()
+    )
+    first, second = load_policy(head_dir), load_policy(head_dir)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    )
+
+
+def test_a_head_policys_run_checkpoints_the_head_and_resumes_exactly(tmp_path, head_dir) -> None:
+    # Shaped returns differ between a group's episodes, so every step updates.
+    args = (
+        "env.options={image_size: 56, max_steps: 4, shaping: 1.0}",
+        "trainer.total_steps=2",
+        "trainer.save_every=1",
+    )
+    cfg = tiny_vla_config(head_dir, tmp_path / "run", *args, "env.val_episodes=0")
+    Trainer(cfg).fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["actor/updates"] == 1 for r in records if r["step"])
+    assert max(r["actor/rollout_logprob_diff"] for r in records if r["step"]) < 1e-5
+    last = tmp_path / "run" / "checkpoints" / "step_00000002" / "model"
+    whole = load_file(last / "action_head.safetensors")
+    assert not torch.equal(
+        whole["net.2.weight"], load_file(head_dir / "action_head.safetensors")["net.2.weight"]
+    )
+    shutil.rmtree(last.parent)
+    Trainer(cfg, resume=True).fit()
+    resumed = load_file(last / "action_head.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["rollout.engine=vllm", "model.lora.rank=8", "trainer.n_gpus_per_node=2"],
+)
+def test_a_head_policy_refuses_at_start_what_would_take_it_out_of_its_process(
+    tmp_path, head_dir, override
+) -> None:
+    cfg = tiny_vla_config(head_dir, tmp_path / "run", override)
+    with pytest.raises(ConfigError, match="continuous action head"):
+        check_action_head(cfg)
