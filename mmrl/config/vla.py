@@ -64,18 +64,24 @@ class SftConfig(OptimSection):
         description="What the clone is taught at each demo frame: the noisy action the demo executed, or "
         "the expert's noise-free action there (DART: noise only widens the states the demos visit)",
     )
-    policy: Literal["tokens", "gaussian"] = Field(
+    policy: Literal["tokens", "gaussian", "flow"] = Field(
         "tokens",
-        description="What the clone emits: action tokens (256 bins a dimension, OpenVLA), or a continuous "
-        "chunk from a head on the backbone, decoded in one forward and taught by L1 (OpenVLA-OFT), which RL "
-        "samples as a Gaussian",
+        description="What the clone emits: action tokens (256 bins a dimension, OpenVLA); a continuous chunk "
+        "from a head on the backbone, decoded in one forward and taught by L1 (OpenVLA-OFT), which RL samples "
+        "as a Gaussian (gaussian); or a chunk denoised by a flow-matching action expert (pi0), which RL samples "
+        "with noise at each denoising step (flow)",
     )
     action_std: float = Field(
-        0.2, gt=0, description="policy: gaussian: the head's starting standard deviation, in normalised units"
+        0.2,
+        gt=0,
+        description="gaussian, flow: the starting standard deviation (normalised units) of an action, or of a "
+        "whole denoising chain's injected noise",
     )
     learn_std: bool = Field(
-        True, description="policy: gaussian: RL learns the standard deviation; else it stays"
+        True, description="gaussian, flow: RL learns the standard deviation; else it stays"
     )
+    flow_steps: int = Field(4, gt=0, description="flow: denoising (Euler) steps per chunk")
+    flow_width: int = Field(64, gt=0, description="flow: the action expert's width (its 2 layers, 4 heads)")
     steps: int = Field(300, gt=0, description="Optimizer steps (the schedule's length)")
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, gt=0)

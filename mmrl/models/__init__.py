@@ -4,6 +4,7 @@ Each family module registers its adapter on import.
 """
 
 from mmrl.models import (
+    flow_expert,  # noqa: F401  (the "flow" action head)
     gemma3,  # noqa: F401
     glm4v,  # noqa: F401  (registers the family: glm4v and glm4v_moe)
     internvl,  # noqa: F401
@@ -17,6 +18,7 @@ from mmrl.models import (
     text,  # noqa: F401
 )
 from mmrl.models.action_head import (
+    ActionHead,
     GaussianActionHead,
     HeadSpec,
     action_head_of,
@@ -46,6 +48,7 @@ __all__ = [
     "DEFAULT_FAMILY",
     "FAMILIES",
     "SHARDED_MARKER",
+    "ActionHead",
     "Family",
     "GaussianActionHead",
     "Grid",

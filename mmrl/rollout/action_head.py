@@ -1,10 +1,11 @@
 """The rollout engine of a policy with a continuous action head: one forward per batch of decisions.
 
 Nothing is decoded token by token. Each prompt is followed by the head's action queries, the backbone
-runs once over prompt and queries, and the head's Gaussian gives every chunk step's action: its mean
-when greedy, a draw from the global torch RNG otherwise (the callers seed it, as for the HF engine).
-The batch it returns is a token engine's, the queries standing as the response, plus `actions`
-(N, chunk, action_dim), normalised and unclipped, which the trainer scores (`chunk_logprobs`).
+runs once over prompt and queries, and the head draws every chunk step's action from what it read: a
+Gaussian's mean or sample, or a flow expert's denoising chain, noise-free when greedy, from the global
+torch RNG otherwise (the callers seed it, as for the HF engine). The batch it returns is a token
+engine's, the queries standing as the response, plus the draw (`actions`, N x chunk x action_dim,
+normalised and unclipped; a flow expert's `chain`), which the trainer scores (`chunk_logprobs`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
-from mmrl.models import GaussianActionHead, autocast_for, tokenizer_of
+from mmrl.models import ActionHead, autocast_for, tokenizer_of
 from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
 from mmrl.training.forward import query_batch, response_hidden
 
@@ -25,9 +26,7 @@ class ActionHeadEngine(GeneratesAtOnce):
 
     logprobs_are_free = True  # the log-density comes with the draw
 
-    def __init__(
-        self, model: Any, head: GaussianActionHead, processor: Any, compute_dtype: torch.dtype
-    ) -> None:
+    def __init__(self, model: Any, head: ActionHead, processor: Any, compute_dtype: torch.dtype) -> None:
         self.model, self.head, self.compute_dtype = model, head, compute_dtype
         self.pad_id = tokenizer_of(processor).pad_token_id
 
@@ -39,13 +38,10 @@ class ActionHeadEngine(GeneratesAtOnce):
         with torch.no_grad():
             with autocast_for(self.model, self.compute_dtype):
                 hidden = response_hidden(self.model, batch, self.pad_id)
-            temperature = 1.0 if params.greedy else params.temperature
-            dist = self.head.distribution(hidden, temperature)
-            actions = dist.mean if params.greedy else dist.sample()
-            logp = dist.log_prob(actions).sum(-1)
+            draw, logp = self.head.sample(hidden, params.temperature, params.greedy)
         self.model.train(was_training)
-        batch.set(actions=actions.cpu(), rollout_logprobs=logp.cpu())
-        batch.set(response_text=[_text(chunk) for chunk in actions.cpu()])
+        batch.set(**{key: value.cpu() for key, value in draw.items()}, rollout_logprobs=logp.cpu())
+        batch.set(response_text=[_text(chunk) for chunk in draw["actions"].cpu()])
         return batch
 
     def sync_weights(self) -> None:

@@ -20,7 +20,7 @@ from mmrl.algorithms import (
 )
 from mmrl.data.batch import Batch, left_pad
 from mmrl.data.sample import POSITION_RULE
-from mmrl.models import GaussianActionHead, action_head_of, autocast_for, family_of, never_generated_ids
+from mmrl.models import ActionHead, action_head_of, autocast_for, family_of, never_generated_ids
 from mmrl.processors import TRANSFORMERS_RULE
 from mmrl.training.media import PromptMedia
 from mmrl.training.micro_batches import Layout, micro_batches, scatter_rows
@@ -182,7 +182,7 @@ def forward_logprobs(
 
 def chunk_logprobs(
     model: Any,
-    head: GaussianActionHead,
+    head: ActionHead,
     batch: Batch,
     pad_id: int,
     temperature: float = 1.0,
@@ -191,13 +191,14 @@ def chunk_logprobs(
     router_losses: list[torch.Tensor] | None = None,
     padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-densities (B, chunk) of a continuous head's sampled `actions` (B, chunk, action_dim), one per
-    chunk step, and optionally its entropy: the token path's contract, so the PPO ratio, the KL and the
-    aggregation modes treat each chunk step as the token path treats a token. The response is the
-    action queries; the head reads the hidden states that predict them, in fp32."""
+    """Log-densities (B, chunk) of a continuous head's recorded draws (`ActionHead.draw_keys`: the sampled
+    `actions`, a flow expert's denoising `chain`), one per chunk step, and optionally its entropy: the
+    token path's contract, so the PPO ratio, the KL and the aggregation modes treat each chunk step as
+    the token path treats a token. The response is the action queries; the head reads the hidden states
+    that predict them, in fp32."""
     with autocast_for(model, compute_dtype):
         hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
-    logp = head.log_prob(hidden, batch["actions"].to(hidden.device), temperature)
+    logp = head.log_prob(hidden, {key: batch[key] for key in head.draw_keys}, temperature)
     entropy = None
     if with_entropy == "grad":
         entropy = head.entropy(hidden, temperature)
@@ -207,7 +208,7 @@ def chunk_logprobs(
     return logp, entropy
 
 
-def query_batch(prompts: list[Any], rows: list[int] | torch.Tensor, head: GaussianActionHead) -> Batch:
+def query_batch(prompts: list[Any], rows: list[int] | torch.Tensor, head: ActionHead) -> Batch:
     """Rows of `prompts` (by index) each followed by the head's action queries as its response."""
     queries = torch.tensor(head.spec.query_ids).expand(len(rows), -1)
     tensors = {
@@ -216,12 +217,6 @@ def query_batch(prompts: list[Any], rows: list[int] | torch.Tensor, head: Gaussi
         "response_mask": torch.ones_like(queries),
     }
     return Batch(tensors=tensors, prompts=prompts)
-
-
-def head_means(model: Any, head: GaussianActionHead, batch: Batch, pad_id: int) -> torch.Tensor:
-    """The head's mean chunk (B, chunk, action_dim) for each row's prompt: what it does greedily, what
-    behaviour cloning regresses, and the centre the engine samples around."""
-    return head.mean(response_hidden(model, batch, pad_id))
 
 
 def _rows(scored: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """One supervised step on given responses: the format warm-up and behaviour cloning (`mmrl sft`) both
 teach by example through the same forward the RL update uses, so what they teach is what RL sees. A
-policy with a continuous action head is taught its demos' action chunks by L1 regression instead."""
+policy with a continuous action head is taught its demos' action chunks by its own loss instead."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from mmrl.data.batch import Batch, right_pad
 from mmrl.data.sample import PromptSample
 from mmrl.models import action_head_of
-from mmrl.training.forward import forward_logprobs, head_means, query_batch
+from mmrl.training.forward import forward_logprobs, query_batch, response_hidden
 
 
 def supervised_step(
@@ -58,16 +58,15 @@ def regression_step(
     pad_id: int,
     max_grad_norm: float | None = None,
 ) -> float:
-    """Mean L1 distance between a continuous head's mean chunk after prompt `prompts[rows[i]]` and
-    `targets[i]` (chunk, action_dim), normalised actions: OpenVLA-OFT's loss, robust to the noisy
-    demos' outliers. One step, as `supervised_step`."""
+    """A continuous head's cloning loss (`ActionHead.imitation_loss`: L1 for a Gaussian head, flow
+    matching for a flow expert) against `targets[i]` (chunk, action_dim), normalised actions, after
+    prompt `prompts[rows[i]]`. One step, as `supervised_step`."""
     head = action_head_of(model)
     if head is None:
         raise ValueError("regression_step needs a model with a continuous action head (attach_action_head)")
     model.train()
-    means = head_means(model, head, query_batch(prompts, rows, head), pad_id)
-    loss = (means - targets.to(means)).abs().mean()
-    return _descend(model, optimizer, loss, max_grad_norm)
+    hidden = response_hidden(model, query_batch(prompts, rows, head), pad_id)
+    return _descend(model, optimizer, head.imitation_loss(hidden, targets), max_grad_norm)
 
 
 def _descend(

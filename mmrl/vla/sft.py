@@ -3,8 +3,8 @@
 The expert is deliberately imperfect (`mmrl.envs.experts`), so the cloned policy succeeds sometimes and RL
 has room to improve it. The output folder is a plain model folder plus `action_tokenizer.json`,
 the bins and q01/q99 statistics the policy was taught with; `mmrl train` and `mmrl eval` read it. With
-`sft.policy: gaussian` it is the backbone plus a continuous action head (`mmrl.models.action_head`),
-whose files hold the statistics instead.
+`sft.policy: gaussian` or `flow` it is the backbone plus a continuous action head or flow-matching expert
+(`mmrl.models.action_head`), whose files hold the statistics instead.
 """
 
 from __future__ import annotations
@@ -173,10 +173,12 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
         )
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, processor, out)  # with a continuous head, its files too
+    # The loss of a clone that ignores its observations; a flow expert's loss has no such simple bound.
+    prior = None
     if isinstance(tokenizer, ActionTokenizer):
         save_action_tokenizer(tokenizer, out)
         prior = label_prior_loss([ids for *_, ids in steps])
-    else:
+    elif sft.policy == "gaussian":
         prior = median_l1([chunk for *_, chunk in steps])
     report = {
         "demos": len(demos),
@@ -189,9 +191,11 @@ def run_sft(cfg: Config, console: Console | None = None) -> Path:
     (out / "sft_report.json").write_text(json.dumps(report, indent=1))
     console.print(
         f"cloned {len(used)} of {len(demos)} expert demos (expert success {rate:.0%}); "
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (label prior {prior:.3f}); policy written to {out}"
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        + (f" (label prior {prior:.3f})" if prior is not None else "")
+        + f"; policy written to {out}"
     )
-    if losses[-1] > 0.95 * prior:
+    if prior is not None and losses[-1] > 0.95 * prior:
         console.print(
             "[yellow]the clone predicts actions hardly better than their overall frequencies: it has "
             "not yet learned to read its observations. Clone longer (sft.steps), or give the model "
@@ -210,10 +214,13 @@ def policy_head(
     stats: ActionStats,
 ) -> Actions:
     """What `model` will emit, set up on it: action bins on the vocabulary's last ids, which then become
-    the only ids it may emit (`never_generated_ids`), or a fresh continuous head (`sft.policy`)."""
+    the only ids it may emit (`never_generated_ids`), or a fresh continuous head or flow expert (`sft.policy`)."""
     vocab = model_config.get_text_config().vocab_size
-    if sft.policy == "gaussian":
+    if sft.policy != "tokens":
         spec = HeadSpec(
+            kind=sft.policy,
+            width=sft.flow_width,
+            denoise_steps=sft.flow_steps,
             action_dim=action_dim,
             chunk=chunk,
             query_start=vocab - chunk,
