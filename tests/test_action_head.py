@@ -34,6 +34,7 @@ from mmrl.rollout.action_head import ActionHeadEngine
 from mmrl.sources.startup import check_action_head
 from mmrl.trainer import Trainer
 from mmrl.training.forward import forward_logprobs
+from mmrl.training.lora import export_plain
 from mmrl.training.optim import make_optimizer
 from mmrl.training.supervised import regression_step
 from mmrl.vla.episodes import run_episodes
@@ -232,6 +233,9 @@ def test_a_head_policys_run_checkpoints_the_head_and_resumes_exactly(tmp_path, h
     Trainer(cfg, resume=True).fit()
     resumed = load_file(last / "action_head.safetensors")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    exported = export_plain(last, tmp_path / "export")  # `mmrl export`: the head goes with the backbone
+    assert load_file(exported / "action_head.safetensors").keys() == whole.keys()
+    assert action_head_of(load_policy(exported)).spec == action_head_of(load_policy(head_dir)).spec
 
 
 @pytest.mark.parametrize(
@@ -244,3 +248,29 @@ def test_a_head_policy_refuses_at_start_what_would_take_it_out_of_its_process(
     cfg = tiny_vla_config(head_dir, tmp_path / "run", override)
     with pytest.raises(ConfigError, match="continuous action head"):
         check_action_head(cfg)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "flow"])
+def test_cli_sft_writes_a_head_policy_that_eval_reads(tmp_path, tiny_model_dir, kind) -> None:
+    from mmrl.cli import main
+
+    common = [
+        f"model.path={tmp_path / 'sft'}",
+        f"sft.base_model={tiny_model_dir}",
+        f"sft.policy={kind}",
+        "sft.demos=3",
+        "sft.steps=2",
+        "sft.batch_size=8",
+        "env.chunk=2",
+        "env.options={image_size: 56, max_steps: 4}",
+        "env.val_episodes=2",
+    ]
+    config = "configs/vla_mujoco_reach.yaml"
+    assert main(["sft", config, *common]) == 0
+    spec = json.loads((tmp_path / "sft" / "action_head.json").read_text())
+    assert (spec["kind"], spec["chunk"], spec["action_dim"]) == (kind, 2, 2)
+    assert not (tmp_path / "sft" / "action_tokenizer.json").exists()
+    out = tmp_path / "eval.json"
+    assert main(["eval", config, *common, "--checkpoint", str(tmp_path / "sft"), "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    assert metrics["eval/episodes"] == 2 and metrics["eval/episode_length"] == 2  # 4 steps, chunks of 2
