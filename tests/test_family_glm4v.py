@@ -12,26 +12,28 @@ from dataclasses import replace
 import pytest
 import torch
 from family_cases import (
+    POSITION_BATCHES,
+    assert_positions_are_get_rope_index,
+    assert_resync_matches,
+    assert_trainer_logprobs_match,
+    assert_vllm_matches_trainer,
+    family_fixtures,
+    hf_samples,
     media_at,
-    plain_logprobs,
-    rope_index,
-    update_on_samples,
-    vllm_diff,
+    two_training_steps,
+    update_moves,
     vllm_engine_for,
     vllm_only,
-    wide_clips,
 )
-from helpers import FAST, mixed_media_rows
+from helpers import mixed_media_rows
 from safetensors import safe_open
 
 from mmrl.cli import main
-from mmrl.data.batch import Batch, left_pad
-from mmrl.data.sample import POSITION_RULE, PromptSample, vision_inputs
-from mmrl.models import family_of, load_policy, load_processor
+from mmrl.data.batch import Batch
+from mmrl.data.sample import POSITION_RULE, vision_inputs
+from mmrl.models import family_of
 from mmrl.processors import PositionRule, build_messages, keep_frames_kwargs
-from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import checkpoint_names
-from mmrl.run.logger import read_metrics
 from mmrl.training.forward import forward_logprobs
 
 FAMILIES = ["glm4v", "glm4v_moe"]
@@ -40,26 +42,7 @@ MEDIA = media_at(28)
 # transformers' own GLM forward cannot take an image and a video in one prompt (see below): these are
 # checked against it, and "mixed" against the engines and `get_rope_index` only.
 PLAIN_CASES = ["image", "images", "video", "text"]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def model_dir(request, tiny_family_dir):
-    return tiny_family_dir(request.param)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_policy(model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir):
-    return load_processor(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(model, processor) -> list[PromptSample]:
-    return MEDIA.all_prompts(processor, family_of(model))
+model_dir, model, processor, prompts = family_fixtures(MEDIA, *FAMILIES)
 
 
 # ------------------------------------------------------------------ the tiny builds
@@ -120,55 +103,33 @@ def test_prompts_are_what_glm4vprocessor_writes(model, processor) -> None:
 
 
 # ------------------------------------------------------------------ positions
-@pytest.mark.parametrize(
-    "names", [["image"], ["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
-)
+@pytest.mark.parametrize("names", POSITION_BATCHES)
 def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
     """One prompt, and five in one left-padded batch; vLLM's rule lays GLM out the same way."""
     family = family_of(model)
-    batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    ours = family.position_ids(batch, ids, mask)
-    assert torch.equal(ours, rope_index(model, batch, ids, mask))
+    batch = MEDIA.all_prompts(processor, family, names)
+    ids, mask, ours = assert_positions_are_get_rope_index(model, processor, batch)
     assert torch.equal(ours, family.position_ids(batch, ids, mask, PositionRule("vllm")))
 
 
 def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_index(model, processor) -> None:
-    family = family_of(model)
-    batch = [
-        MEDIA.prompt(processor, family, 0, wide_clips(28), MEDIA.wide),
-        MEDIA.prompt(processor, family, 1, "text"),
-    ]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
+    assert_positions_are_get_rope_index(model, processor, MEDIA.wide_batch(processor, family_of(model)))
 
 
 # ------------------------------------------------------------------ log-probs
 @pytest.fixture(scope="module")
 def hf_batch(model, processor, prompts) -> Batch:
     """Image, two images, a video, text only and image + video in one left-padded HF engine batch."""
-    torch.manual_seed(0)
-    batch = HFEngine(model, processor).generate(
-        prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=10, logprobs=True)
-    )
-    assert batch["response_mask"].sum() > 2 * len(prompts)
-    return batch
+    return hf_samples(model, processor, prompts)
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:
     """The trainer scores the whole batch at once (image and video rows together, which the model's own
-    forward refuses); the plain forward runs each row alone."""
-    mask = hf_batch["response_mask"].bool()
-    with torch.no_grad():
-        ours = forward_logprobs(model, hf_batch, processor.tokenizer.pad_token_id, 0.8)[0]
-    engine = (ours - hf_batch["rollout_logprobs"]).abs()[mask]
+    forward refuses); the plain forward runs each row alone, on the `PLAIN_CASES` rows."""
     rows = torch.isin(
         hf_batch["prompt_index"], torch.tensor([list(MEDIA.cases).index(c) for c in PLAIN_CASES])
     )
-    plain = (ours[rows] - plain_logprobs(model, hf_batch.select(rows.nonzero()[:, 0]), 0.8)).abs()[mask[rows]]
-    print(f"{family_of(model).name}: HF engine max {engine.max():.2e}; plain forward max {plain.max():.2e}")
-    assert engine.max() < 1e-4, f"trainer vs HF engine: max |Δlogp| = {engine.max():.2e}"
-    assert plain.max() < 1e-4, f"trainer vs plain forward: max |Δlogp| = {plain.max():.2e}"
+    assert_trainer_logprobs_match(model, processor, hf_batch, rows=rows)
 
 
 def test_packed_rows_equal_padded_rows(model, processor, hf_batch) -> None:
@@ -207,22 +168,8 @@ def test_the_router_loss_is_the_models_own_and_opt_in(model, processor, hf_batch
 def test_two_training_steps_on_image_video_and_mixed_rows(model_dir, tmp_path) -> None:
     """The video quickstart through the CLI on rows with an image, a video, both, and none (and three broken
     videos, skipped): the trainer's log-probs are the HF engine's at every step."""
-    run = tmp_path / "run"
-    args = [
-        "train",
-        "configs/quickstart_video.yaml",
-        f"model.path={model_dir}",
-        f"data.train_files={mixed_media_rows(tmp_path / 'data')}",
-        "data.val_files=[]",
-        f"trainer.output_dir={run}",
-        "actor.rollout_correction=tis",  # the engine then returns its log-probs, and the gap is logged
-        *FAST,
-    ]
-    assert main(args) == 0
-    records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
-    print(f"rollout_logprob_diff: {[r['actor/rollout_logprob_diff'] for r in records]}")
-    assert all(r["actor/rollout_logprob_diff"] < 1e-4 for r in records)
+    rows = mixed_media_rows(tmp_path / "data")
+    two_training_steps(model_dir, tmp_path, "configs/quickstart_video.yaml", rows, 1e-4)
 
 
 @pytest.mark.parametrize("config", ["configs/vla_mujoco_reach.yaml", "configs/quickstart_agent.yaml"])
@@ -264,14 +211,8 @@ def vllm_engine(model_dir):
 def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
     """Image, two images, video, text and image + video prompts through the real engine (its expanded
     prompts are checked to be the trainer's, token for token, on the first batch)."""
-    torch.manual_seed(0)
-    batch = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
-    )
+    batch = assert_vllm_matches_trainer(vllm_engine, prompts)
     assert batch[POSITION_RULE] == [PositionRule("vllm", torch.float32)] * len(batch)
-    diff = vllm_diff(vllm_engine, batch, 0.7)
-    print(f"{family_of(vllm_engine.model).name} vLLM: max {diff.max():.2e} mean {diff.mean():.2e}")
-    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
 
 
 @vllm_only
@@ -279,15 +220,5 @@ def test_vllm_sync_after_an_update_reaches_the_vision_tower(vllm_engine, prompts
     """vLLM warns "Glm4vVisionEmbeddings: Failed to load weights" on every reload (its non-persistent
     `position_ids` buffer); the learned position grid itself does arrive: image and video rows sampled
     after the sync match the updated trainer."""
-    vllm_engine.sync_weights()
-    grid = vllm_engine.model.model.visual.embeddings.position_embedding.weight.detach().clone()
-    update_on_samples(vllm_engine, prompts)
-    assert not torch.equal(grid, vllm_engine.model.model.visual.embeddings.position_embedding.weight)
-    vllm_engine.sync_weights()
-    assert vllm_engine.verify() < 1e-4
-    sampled = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
-    )
-    diff = vllm_diff(vllm_engine, sampled, 1.0)
-    print(f"{family_of(vllm_engine.model).name} vLLM after update: max {diff.max():.2e}")
-    assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+    update_moves(vllm_engine, prompts, lambda m: m.model.visual.embeddings.position_embedding.weight)
+    assert_resync_matches(vllm_engine, prompts)

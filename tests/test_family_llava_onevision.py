@@ -9,55 +9,43 @@ trainer's before and after a weight sync. Video rows, env and agent runs are ref
 from __future__ import annotations
 
 from dataclasses import replace
-from unittest import mock
 
 import pytest
 import torch
-from family_cases import media_at, update_on_samples, vllm_diff, vllm_engine_for, vllm_only
-from helpers import FAST, mixed_media_rows
+from family_cases import (
+    IMAGE_CASES,
+    REFUSED_AT_START,
+    assert_padded_pixels_are_the_processors,
+    assert_positions_count_attended_tokens,
+    assert_refused_at_start,
+    assert_resync_matches,
+    assert_trainer_logprobs_match,
+    assert_vllm_matches_trainer,
+    colour_rows,
+    family_fixtures,
+    hf_samples,
+    image_media,
+    processor_pixels,
+    shared_and_packed_gaps,
+    two_training_steps,
+    update_moves,
+    vllm_engine_for,
+    vllm_only,
+)
+from helpers import mixed_media_rows
 from PIL import Image
 from safetensors import safe_open
 from transformers.image_processing_utils import select_best_resolution
 
-from mmrl.algorithms import block_tokens
-from mmrl.cli import main
 from mmrl.data.batch import Batch
-from mmrl.data.sample import PromptSample
-from mmrl.data.synthetic import generate
-from mmrl.models import family_of, load_policy, load_processor
+from mmrl.models import family_of
 from mmrl.models.llava_onevision import TINY_BASE, pinpoint_canvas, pinpoints
-from mmrl.processors import build_messages, fit_image
-from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.processors import fit_image
 from mmrl.rollout.vllm import checkpoint_names
-from mmrl.run.logger import read_metrics
-from mmrl.training import forward
-from mmrl.training.forward import forward_logprobs
 
-_AT = media_at(TINY_BASE)
 # Images of 2..4 base squares a side, within 4..16 squares: a 4 x 4 grid (pooled), 5 x 2 and 3 x 3.
-MEDIA = replace(_AT, images=replace(_AT.images, rule=pinpoint_canvas))
-CASES = ["image", "images", "text"]  # the family cases without video
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_family_dir):
-    return tiny_family_dir("llava_onevision")
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_policy(model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir):
-    return load_processor(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(model, processor) -> list[PromptSample]:
-    family = family_of(model)
-    return [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(CASES)]
+MEDIA = image_media(TINY_BASE, pinpoint_canvas)
+model_dir, model, processor, prompts = family_fixtures(MEDIA, "llava_onevision", cases=IMAGE_CASES)
 
 
 def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_loads(model, model_dir) -> None:
@@ -82,20 +70,7 @@ def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_load
 def test_prompts_and_crops_are_what_llavaonevisionprocessor_gives(model, processor, prompts) -> None:
     """mmrl's prompt ids equal the processor's on the same images, and its crops (zero-padded to its grid)
     are the processor's, which the HF engine hands the model as the processor batches them."""
-    family = family_of(model)
-    for name, sample in zip(CASES, prompts, strict=True):
-        text = processor.tokenizer.apply_chat_template(
-            build_messages(MEDIA.cases[name][0], len(sample.images)),
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        out = processor(text=[text], images=sample.images or None, return_tensors="pt")
-        assert out["input_ids"][0].tolist() == sample.prompt_ids
-        if sample.images:
-            vision = {"pixel_values": sample.pixel_values, "image_grid_thw": sample.image_grid_thw}
-            ours = family.generate_inputs(out["input_ids"], vision)
-            assert torch.equal(ours["pixel_values"], out["pixel_values"])
-            assert torch.equal(ours["image_sizes"], out["image_sizes"])
+    assert_padded_pixels_are_the_processors(model, processor, prompts)
     # 4 x 4 crops and the base square; 5 x 2 (a tall image) and 3 x 3; each padded to (rows+1) x (columns+1)
     assert prompts[0].image_grid_thw.tolist() == [[5, 5]]
     assert prompts[1].image_grid_thw.tolist() == [[6, 3], [4, 4]]
@@ -122,128 +97,43 @@ def test_images_are_sized_to_the_grid_the_image_processor_tiles_them_into(proces
 
 
 def test_position_ids_count_attended_tokens(model, prompts) -> None:
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    ids = torch.zeros_like(mask)
-    assert family_of(model).position_ids(prompts[:2], ids, mask).tolist() == [
-        [0, 0, 0, 1, 2],
-        [0, 1, 2, 3, 4],
-    ]
+    assert_positions_count_attended_tokens(model, prompts)
 
 
 # ------------------------------------------------------------------ log-probs
 @pytest.fixture(scope="module")
 def hf_batch(model, processor, prompts) -> Batch:
     """One image, two images of different grids and text only, two responses each, from the HF engine."""
-    torch.manual_seed(0)
-    batch = HFEngine(model, processor).generate(
-        prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=10, logprobs=True)
-    )
-    assert batch["response_mask"].sum() > 2 * len(prompts)
-    return batch
-
-
-def plain_logprobs(model, processor, batch: Batch, temperature: float) -> torch.Tensor:
-    """Each row alone, unpadded, through the model's own full forward on the processor's own pixels and
-    `image_sizes` (its tiling, unpadding, pooling and newlines), `<image>` and `<video>` blocked."""
-    out = torch.zeros(batch["response_ids"].shape)
-    blocked = family_of(model).never_generated_ids()
-    for row, (p, response, mask) in enumerate(
-        zip(batch["prompt_index"], batch["response_ids"], batch["response_mask"], strict=True)
-    ):
-        prompt = batch.prompts[int(p)]
-        n = int(mask.sum())
-        ids = torch.tensor([prompt.prompt_ids + response[:n].tolist()])
-        media = {}
-        if prompt.images:
-            pixels = processor.image_processor(images=prompt.images, return_tensors="pt")
-            media = {"pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]}
-        with torch.no_grad():
-            logits = model(input_ids=ids, **media).logits[0]
-        start = len(prompt.prompt_ids) - 1
-        logits = block_tokens(logits[start : start + n].float(), blocked)
-        out[row, :n] = torch.log_softmax(logits / temperature, dim=-1).gather(1, response[:n, None])[:, 0]
-    return out
+    return hf_samples(model, processor, prompts)
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:
-    mask = hf_batch["response_mask"].bool()
-    with torch.no_grad():
-        ours = forward_logprobs(model, hf_batch, processor.tokenizer.pad_token_id, 0.8)[0]
-    engine = (ours - hf_batch["rollout_logprobs"]).abs()[mask]
-    plain = (ours - plain_logprobs(model, processor, hf_batch, 0.8)).abs()[mask]
-    print(f"llava_onevision: HF engine max {engine.max():.2e}; plain forward max {plain.max():.2e}")
-    assert engine.max() < 1e-4, f"trainer vs HF engine: max |Δlogp| = {engine.max():.2e}"
-    assert plain.max() < 1e-4, f"trainer vs plain forward: max |Δlogp| = {plain.max():.2e}"
+    """The plain forward runs on the processor's own pixels and `image_sizes` (the model's own tiling,
+    unpadding, pooling and newlines)."""
+    assert_trainer_logprobs_match(model, processor, hf_batch, processor_pixels(processor))
 
 
 def test_packed_and_shared_prompt_forwards_equal_the_padded_one(model, processor, hf_batch) -> None:
     """The padded forward with every response running its own prompt copy, against the shared-prompt forward
     (the groups' prompts run once) and the packed one, both to 1e-5."""
-    pad = processor.tokenizer.pad_token_id
-    mask = hf_batch["response_mask"].bool()
-    found, real = [], forward.shared_prompts
-    with torch.no_grad():
-        with mock.patch.object(forward, "shared_prompts", return_value=None):
-            padded = forward_logprobs(model, hf_batch, pad, 0.8)[0]
-        with mock.patch.object(
-            forward, "shared_prompts", lambda *a, **k: found.append(real(*a, **k)) or found[-1]
-        ):
-            shared = forward_logprobs(model, hf_batch, pad, 0.8)[0]
-        packed = forward_logprobs(model, hf_batch, pad, 0.8, padding_free=True)[0]
-    assert any(s is not None for s in found), "the forward should have shared the prompts"
-    gaps = {"shared": (shared - padded).abs()[mask].max(), "packed": (packed - padded).abs()[mask].max()}
-    print(f"llava_onevision vs padded: shared {gaps['shared']:.2e}, packed {gaps['packed']:.2e}")
-    assert max(gaps.values()) < 1e-5
+    assert max(shared_and_packed_gaps(model, processor, hf_batch).values()) < 1e-5
 
 
 # ------------------------------------------------------------------ runs
 def test_two_quickstart_training_steps(model_dir, tmp_path) -> None:
     """The image quickstart (its 112 px budget: each image a 4 x 4 grid and the base square) on four colour
     rows: the trainer's log-probs are the HF engine's at every step."""
-    run = tmp_path / "run"
-    generate(tmp_path / "data", task="color", n_train=4, n_val=0, seed=0, image_size=56)
-    args = [
-        "train",
-        "configs/quickstart.yaml",
-        f"model.path={model_dir}",
-        f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
-        "data.val_files=[]",
-        f"trainer.output_dir={run}",
-        "actor.rollout_correction=tis",  # the engine then returns its log-probs, and the gap is logged
-        *FAST,
-    ]
-    assert main(args) == 0
-    records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
-    print(f"rollout_logprob_diff: {[r['actor/rollout_logprob_diff'] for r in records]}")
-    assert all(r["actor/rollout_logprob_diff"] < 1e-3 for r in records)
+    two_training_steps(model_dir, tmp_path, "configs/quickstart.yaml", colour_rows(tmp_path / "data"), 1e-3)
 
 
-@pytest.mark.parametrize(
-    ("config", "extra", "says"),
-    [
-        ("configs/quickstart_video.yaml", [], "mmrl cannot show videos yet"),
-        ("configs/quickstart_agent.yaml", [], "models cannot run"),
-    ],
-)
+@pytest.mark.parametrize(("config", "extra", "says"), REFUSED_AT_START)
 def test_video_rows_and_agent_runs_are_refused_at_start_naming_why(
     model_dir, tmp_path, capsys, config, extra, says
 ) -> None:
     """Video rows (not written yet) and env and agent turns (written with Qwen's image tokens) stop the run
     before training, in one line, exit 2."""
-    data = f"data.train_files={mixed_media_rows(tmp_path / 'data')}"
-    args = [
-        "train",
-        config,
-        f"model.path={model_dir}",
-        f"trainer.output_dir={tmp_path / 'run'}",
-        data,
-        "data.val_files=[]",
-        *extra,
-    ]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert says in err and "llava_onevision" in err and "Traceback" not in err
+    rows = mixed_media_rows(tmp_path / "data")
+    assert_refused_at_start(capsys, model_dir, tmp_path, config, rows, extra, says, "llava_onevision")
 
 
 # ------------------------------------------------------------------ vLLM
@@ -264,28 +154,12 @@ def vllm_engine(model_dir):
 def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
     """Image (pooled grid), two images and text prompts through the real engine (its expanded prompts are
     checked to be the trainer's, token for token, on the first batch)."""
-    torch.manual_seed(0)
-    batch = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
-    )
-    diff = vllm_diff(vllm_engine, batch, 0.7)
-    print(f"llava_onevision vLLM: max {diff.max():.2e} mean {diff.mean():.2e}")
-    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+    assert_vllm_matches_trainer(vllm_engine, prompts)
 
 
 @vllm_only
 def test_vllm_sync_after_an_update_reaches_the_vision_tower(vllm_engine, prompts) -> None:
     """SigLIP's weights (synced under the released `vision_tower.vision_model.` names) and the image newline
     arrive: rows sampled after the sync match the updated trainer."""
-    vllm_engine.sync_weights()
-    tower = vllm_engine.model.model.vision_tower.embeddings.patch_embedding.weight.detach().clone()
-    update_on_samples(vllm_engine, prompts)
-    assert not torch.equal(tower, vllm_engine.model.model.vision_tower.embeddings.patch_embedding.weight)
-    vllm_engine.sync_weights()
-    assert vllm_engine.verify() < 1e-4
-    sampled = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
-    )
-    diff = vllm_diff(vllm_engine, sampled, 1.0)
-    print(f"llava_onevision vLLM after update: max {diff.max():.2e}")
-    assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+    update_moves(vllm_engine, prompts, lambda m: m.model.vision_tower.embeddings.patch_embedding.weight)
+    assert_resync_matches(vllm_engine, prompts)

@@ -10,20 +10,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 from family_cases import (
+    assert_positions_are_get_rope_index,
+    assert_resync_matches,
+    assert_vllm_matches_trainer,
+    family_fixtures,
     media_at,
     plain_logprobs,
-    rope_index,
-    update_on_samples,
+    update_moves,
     vllm_diff,
     vllm_engine_for,
     vllm_only,
-    wide_clips,
 )
 from safetensors import safe_open
 
-from mmrl.data.batch import left_pad
-from mmrl.data.sample import POSITION_RULE, PromptSample, vision_inputs
-from mmrl.models import family_of, load_policy, load_processor
+from mmrl.data.sample import POSITION_RULE, vision_inputs
+from mmrl.models import family_of
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.processors import TRANSFORMERS_RULE, PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
@@ -33,26 +34,7 @@ from mmrl.training.forward import forward_logprobs
 # 28 px video frames: 2 x 2 patches, one merged token per temporal patch, so a clip's time ids (one per
 # two frames) outrun its 1 x 1 grid and the engines' rules for the text after it part.
 MEDIA = media_at(28)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_family_dir):
-    return tiny_family_dir("qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_policy(model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir):
-    return load_processor(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(model, processor) -> list[PromptSample]:
-    return MEDIA.all_prompts(processor, family_of(model))
+model_dir, model, processor, prompts = family_fixtures(MEDIA, "qwen2_vl")
 
 
 def test_the_tiny_qwen2_vl_is_the_real_architecture_saved_under_the_names_vllm_loads(
@@ -91,23 +73,17 @@ def test_generate_refuses_second_per_grid_ts_so_the_family_drops_it(model, proce
     "names", [["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
 )
 def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
-    family = family_of(model)
-    batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
+    assert_positions_are_get_rope_index(
+        model, processor, MEDIA.all_prompts(processor, family_of(model), names)
+    )
 
 
 def test_video_time_ids_are_patch_indices_whatever_the_frame_rate(model, processor) -> None:
     """Videos of different lengths, frame rates and sizes in one padded batch: still the model's ids,
     and not Qwen2.5-VL's seconds-scaled ones (which the recorded `second_per_grid_ts` would give)."""
     family = family_of(model)
-    batch = [
-        MEDIA.prompt(processor, family, 0, wide_clips(28), MEDIA.wide),
-        MEDIA.prompt(processor, family, 1, "text"),
-    ]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    ours = family.position_ids(batch, ids, mask)
-    assert torch.equal(ours, rope_index(model, batch, ids, mask))
+    batch = MEDIA.wide_batch(processor, family)
+    ids, mask, ours = assert_positions_are_get_rope_index(model, processor, batch)
     assert sorted({float(s) for s in batch[0].second_per_grid_ts}) != [1.0]  # real seconds were recorded
     scaled = Qwen2_5_VL(family.config).position_ids(batch, ids, mask)  # the Qwen2.5-VL rule
     assert not torch.equal(ours, scaled)
@@ -180,13 +156,8 @@ def vllm_engine(model_dir):
 
 @vllm_only
 def test_vllm_logprobs_match_the_trainer_at_vllms_positions(vllm_engine, prompts) -> None:
-    torch.manual_seed(0)
-    batch = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
-    )
+    batch = assert_vllm_matches_trainer(vllm_engine, prompts)
     assert batch[POSITION_RULE] == [PositionRule("vllm", torch.float32)] * len(batch)
-    diff = vllm_diff(vllm_engine, batch, 0.7)
-    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
     # Under transformers' layout the rows after a video disagree: the recorded rule is what matches.
     batch.set(**{POSITION_RULE: [TRANSFORMERS_RULE] * len(batch)})
     assert vllm_diff(vllm_engine, batch, 0.7).max() > 1e-3
@@ -194,16 +165,8 @@ def test_vllm_logprobs_match_the_trainer_at_vllms_positions(vllm_engine, prompts
 
 @vllm_only
 def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, prompts) -> None:
-    vllm_engine.sync_weights()
-    visual = vllm_engine.model.model.visual.patch_embed.proj.weight.detach().clone()
-    update_on_samples(vllm_engine, prompts)
-    assert not torch.equal(visual, vllm_engine.model.model.visual.patch_embed.proj.weight)
+    """The update moves the vision tower's patch embedding, which reaches vLLM with the sync."""
+    update_moves(vllm_engine, prompts, lambda m: m.model.visual.patch_embed.proj.weight)
     with pytest.raises(WeightSyncError, match="did not arrive"):
         vllm_engine.verify()  # sync skipped: vLLM still has the old weights
-    vllm_engine.sync_weights()
-    assert vllm_engine.verify() < 1e-4
-    sampled = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
-    )
-    diff = vllm_diff(vllm_engine, sampled, 1.0)  # the updated vision tower reached vLLM too
-    assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+    assert_resync_matches(vllm_engine, prompts)

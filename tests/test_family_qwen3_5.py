@@ -18,6 +18,9 @@ import os
 import pytest
 import torch
 from family_cases import (
+    POSITION_BATCHES,
+    assert_positions_are_get_rope_index,
+    family_fixtures,
     media_at,
     plain_logprobs,
     rope_index,
@@ -25,14 +28,13 @@ from family_cases import (
     vllm_diff,
     vllm_engine_for,
     vllm_only,
-    wide_clips,
 )
 from safetensors import safe_open
 from transformers import AutoProcessor
 
-from mmrl.data.batch import Batch, left_pad
+from mmrl.data.batch import Batch
 from mmrl.data.sample import POSITION_RULE, PromptSample
-from mmrl.models import family_of, load_policy, load_processor
+from mmrl.models import family_of
 from mmrl.processors import PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names
@@ -44,25 +46,7 @@ MEDIA = media_at(32)
 # More words than the DeltaNet's 64-token chunk: the rows beside it are padded across a chunk boundary.
 LONG = "Look at the image and count every circle, square and triangle; " * 8
 
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def model_dir(request, tiny_family_dir):
-    return tiny_family_dir(request.param)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_policy(model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir):
-    return load_processor(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(model, processor) -> list[PromptSample]:
-    return MEDIA.all_prompts(processor, family_of(model))
+model_dir, model, processor, prompts = family_fixtures(MEDIA, *FAMILIES)
 
 
 # ------------------------------------------------------------------ the tiny builds
@@ -130,27 +114,18 @@ def test_fsdp_units_and_lora_prefixes_cover_both_layer_kinds_and_the_vision_towe
 
 
 # ------------------------------------------------------------------ positions
-@pytest.mark.parametrize(
-    "names", [["image"], ["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
-)
+@pytest.mark.parametrize("names", POSITION_BATCHES)
 def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
     family = family_of(model)
-    batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
+    batch = MEDIA.all_prompts(processor, family, names)
+    ids, mask, _ = assert_positions_are_get_rope_index(model, processor, batch)
     assert torch.equal(
         family.position_ids(batch, ids, mask, PositionRule("vllm")), rope_index(model, batch, ids, mask)
     )
 
 
 def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_index(model, processor) -> None:
-    family = family_of(model)
-    batch = [
-        MEDIA.prompt(processor, family, 0, wide_clips(32), MEDIA.wide),
-        MEDIA.prompt(processor, family, 1, "text"),
-    ]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
+    assert_positions_are_get_rope_index(model, processor, MEDIA.wide_batch(processor, family_of(model)))
 
 
 # ------------------------------------------------------------------ log-probs

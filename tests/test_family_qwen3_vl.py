@@ -12,23 +12,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 from family_cases import (
+    POSITION_BATCHES,
+    assert_positions_are_get_rope_index,
+    assert_resync_matches,
+    assert_vllm_matches_trainer,
+    family_fixtures,
     frames,
+    hf_samples,
     media_at,
     plain_logprobs,
-    rope_index,
-    update_on_samples,
-    vllm_diff,
+    update_moves,
     vllm_engine_for,
     vllm_only,
-    wide_clips,
 )
 from PIL import Image
 from safetensors import safe_open
 from transformers import AutoProcessor
 
 from mmrl.config import ActorConfig
-from mmrl.data.batch import Batch, left_pad
-from mmrl.data.sample import POSITION_RULE, PromptSample
+from mmrl.data.batch import Batch
+from mmrl.data.sample import POSITION_RULE
 from mmrl.models import Family, family_of, load_policy, load_processor, save_model
 from mmrl.models.qwen2_5_vl import Qwen2_5_VL
 from mmrl.processors import (
@@ -39,33 +42,13 @@ from mmrl.processors import (
     pixel_inputs,
     read_video,
 )
-from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names, vllm_available
 from mmrl.training.forward import forward_logprobs
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]
 # 32 px video frames: 2 x 2 patches, one merged token per temporal patch.
 MEDIA = media_at(32)
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def model_dir(request, tiny_family_dir):
-    return tiny_family_dir(request.param)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_policy(model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir):
-    return load_processor(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(model, processor) -> list[PromptSample]:
-    return MEDIA.all_prompts(processor, family_of(model))
+model_dir, model, processor, prompts = family_fixtures(MEDIA, *FAMILIES)
 
 
 # ------------------------------------------------------------------ the tiny builds
@@ -141,15 +124,11 @@ def test_video_text_is_timestamped_per_temporal_patch_as_the_processor_writes_it
 
 
 # ------------------------------------------------------------------ positions
-@pytest.mark.parametrize(
-    "names", [["image"], ["images"], ["video"], ["mixed"], ["image", "text", "images", "video", "mixed"]]
-)
+@pytest.mark.parametrize("names", POSITION_BATCHES)
 def test_position_ids_equal_the_models_get_rope_index(model, processor, names) -> None:
     """One prompt, and five in one left-padded batch (text-only rows padded furthest)."""
-    family = family_of(model)
-    batch = [MEDIA.prompt(processor, family, i, name) for i, name in enumerate(names)]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    assert torch.equal(family.position_ids(batch, ids, mask), rope_index(model, batch, ids, mask))
+    batch = MEDIA.all_prompts(processor, family_of(model), names)
+    _, mask, _ = assert_positions_are_get_rope_index(model, processor, batch)
     if len(batch) > 1:
         assert (mask == 0).any()
 
@@ -158,13 +137,8 @@ def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_ind
     """Three clips of different lengths, frame rates and sizes in one prompt, next to a text row: every
     temporal patch is its own t=1 grid after its timestamp, whatever the clip's seconds per patch."""
     family = family_of(model)
-    batch = [
-        MEDIA.prompt(processor, family, 0, wide_clips(32), MEDIA.wide),
-        MEDIA.prompt(processor, family, 1, "text"),
-    ]
-    ids, mask = left_pad([p.prompt_ids for p in batch], processor.tokenizer.pad_token_id)
-    ours = family.position_ids(batch, ids, mask)
-    assert torch.equal(ours, rope_index(model, batch, ids, mask))
+    batch = MEDIA.wide_batch(processor, family)
+    ids, mask, ours = assert_positions_are_get_rope_index(model, processor, batch)
     assert len({float(s) for s in batch[0].second_per_grid_ts}) == 3  # three real frame rates, ignored
     assert torch.equal(ours, family.position_ids(batch, ids, mask, PositionRule("vllm")))
     # Qwen2.5-VL's rule (one t x h x w grid per video) does not even fit: timestamps split its pad run.
@@ -219,12 +193,7 @@ def test_both_position_rules_are_vllms_own_layout(model, processor, name) -> Non
 @pytest.fixture(scope="module")
 def hf_batch(model, processor, prompts) -> Batch:
     """Image, two images, a video, text only and image + video in one left-padded HF engine batch."""
-    torch.manual_seed(0)
-    batch = HFEngine(model, processor).generate(
-        prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=10, logprobs=True)
-    )
-    assert batch["response_mask"].sum() > 2 * len(prompts)
-    return batch
+    return hf_samples(model, processor, prompts)
 
 
 def _diffs(model, processor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -334,33 +303,15 @@ def vllm_engine(model_dir):
 @vllm_only
 def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
     """Image, two images, video, text and image + video prompts through the real engine."""
-    torch.manual_seed(0)
-    batch = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=10, logprobs=True)
-    )
+    batch = assert_vllm_matches_trainer(vllm_engine, prompts)
     assert batch[POSITION_RULE] == [PositionRule("vllm", torch.float32)] * len(batch)
-    diff = vllm_diff(vllm_engine, batch, 0.7)
-    print(f"{family_of(vllm_engine.model).name} vLLM: max {diff.max():.2e} mean {diff.mean():.2e}")
-    assert diff.max() < 1e-4, f"max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
 
 
 @vllm_only
 def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, prompts) -> None:
-    vllm_engine.sync_weights()
-    deepstack = vllm_engine.model.model.visual.deepstack_merger_list[0].linear_fc2.weight.detach().clone()
-    update_on_samples(vllm_engine, prompts)
-    assert not torch.equal(
-        deepstack, vllm_engine.model.model.visual.deepstack_merger_list[0].linear_fc2.weight
-    )
+    """The update moves DeepStack's mergers; after the sync the updated vision tower (DeepStack too) has
+    reached vLLM."""
+    update_moves(vllm_engine, prompts, lambda m: m.model.visual.deepstack_merger_list[0].linear_fc2.weight)
     with pytest.raises(WeightSyncError, match="did not arrive"):
         vllm_engine.verify()  # sync skipped: vLLM still has the old weights
-    vllm_engine.sync_weights()
-    assert vllm_engine.verify() < 1e-4
-    sampled = vllm_engine.generate(
-        prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, logprobs=True)
-    )
-    diff = vllm_diff(vllm_engine, sampled, 1.0)  # the updated vision tower (DeepStack too) reached vLLM
-    print(
-        f"{family_of(vllm_engine.model).name} vLLM after update: max {diff.max():.2e} mean {diff.mean():.2e}"
-    )
-    assert diff.max() < 1e-4, f"after the update: max |Δlogp| = {diff.max():.2e}, mean {diff.mean():.2e}"
+    assert_resync_matches(vllm_engine, prompts)
