@@ -163,9 +163,9 @@ def forward_logprobs(
     (`chunk_logprobs`)."""
     head = action_head_of(model)
     if head is not None:
-        return chunk_logprobs(
-            model, head, batch, pad_id, temperature, with_entropy, compute_dtype, router_losses, padding_free
-        )
+        with autocast_for(model, compute_dtype):
+            hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
+        return chunk_logprobs(head, hidden, batch, temperature, with_entropy)
     with autocast_for(model, compute_dtype):
         logits = response_logits(model, batch, pad_id, router_losses, padding_free).float() / temperature
         logits = block_tokens(logits, never_generated_ids(model.config))
@@ -181,23 +181,17 @@ def forward_logprobs(
 
 
 def chunk_logprobs(
-    model: Any,
     head: ActionHead,
+    hidden: torch.Tensor,
     batch: Batch,
-    pad_id: int,
     temperature: float = 1.0,
     with_entropy: bool | Literal["grad"] = False,
-    compute_dtype: torch.dtype = torch.float32,
-    router_losses: list[torch.Tensor] | None = None,
-    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-densities (B, chunk) of a continuous head's recorded draws (`ActionHead.draw_keys`: the sampled
     `actions`, a flow expert's denoising `chain`), one per chunk step, and optionally its entropy: the
     token path's contract, so the PPO ratio, the KL and the aggregation modes treat each chunk step as
-    the token path treats a token. The response is the action queries; the head reads the hidden states
-    that predict them, in fp32."""
-    with autocast_for(model, compute_dtype):
-        hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
+    the token path treats a token. `hidden` (B, chunk, H) are the states that predict the action
+    queries, the rows' response; the head reads them in fp32."""
     logp = head.log_prob(hidden, {key: batch[key] for key in head.draw_keys}, temperature)
     entropy = None
     if with_entropy == "grad":
