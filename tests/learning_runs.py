@@ -234,26 +234,6 @@ RUNS: dict[str, LearningRun] = {
     # so only a loss of more than 0.05 (two standard errors at success 0.07) fails; the rise from the
     # untrained policy is asserted in tests/test_vla_learning.py.
     "vla": LearningRun("configs/vla_mujoco_reach.yaml", None, steps=20, min_gain=-0.05, metric="val/success"),
-    # The same recipe with a continuous head cloned briefly (tests/test_vla_head_learning.py), a few RL
-    # steps, 50 evaluation episodes.
-    **{
-        f"vla_{kind}": LearningRun(
-            "configs/vla_mujoco_reach.yaml",
-            None,
-            steps=4,
-            min_gain=-0.08,
-            metric="val/success",
-            overrides=(
-                f"sft.policy={kind}",
-                "sft.demos=100",
-                "sft.steps=300",
-                "sft.labels=expert",
-                "sft.action_std=0.5",
-                "env.val_episodes=50",
-            ),
-        )
-        for kind in ("gaussian", "flow")
-    },
 }
 
 
