@@ -200,7 +200,9 @@ class ContinuousActions:
         """Env actions for a sampled chunk: clipped to [-1, 1] (a Gaussian's tail), then unnormalised."""
         a = np.asarray(values, dtype=np.float64)
         if a.shape != (self.chunk, self.action_dim):
-            return InvalidAction("length", f"expected a ({self.chunk}, {self.action_dim}) chunk, got {a.shape}")
+            return InvalidAction(
+                "length", f"expected a ({self.chunk}, {self.action_dim}) chunk, got {a.shape}"
+            )
         if not np.all(np.isfinite(a)):
             return InvalidAction("out_of_range", "the head emitted a non-finite action")
         a = np.clip(a, -1.0, 1.0)
