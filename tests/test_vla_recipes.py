@@ -74,3 +74,22 @@ def test_metaworld_handle_press_recipe_lifts_the_clone(tmp_path) -> None:
     assert step == 16
     assert trained >= 0.65, f"sampled success {cloned} -> {trained}: under 0.65"
     assert trained - cloned >= 0.05, f"RL added {trained - cloned:+.2f} to the clone's {cloned}"
+
+
+@pytest.mark.parametrize(
+    ("kind", "steps", "measured"), [("gaussian", 40, "0.06 -> 0.19"), ("flow", 20, "0.07 -> 0.24")]
+)
+def test_reach_recipe_with_a_continuous_head_lifts_the_clone(tmp_path, kind, steps, measured) -> None:
+    """RL lifts a continuous head's clone by at least 10 points of sampled success on 100 unseen seeds
+    (configs/vla_reach_gaussian.yaml, configs/vla_reach_flow.yaml). Measured once each, one thread, on a
+    2-core AMD EPYC (2026-12-04): the Gaussian head 0.06 -> 0.19 in 40 steps, the flow expert 0.07 -> 0.24
+    in 20; their spread over seeds is not measured yet."""
+    runs = run_recipe(f"configs/vla_reach_{kind}.yaml", tmp_path)
+    (_, cloned), (step, trained) = runs[0], runs[-1]
+    print(
+        f"reach, {kind} head: sampled success {cloned:.2f} after SFT -> {trained:.2f} after {step} RL steps"
+    )
+    assert step == steps
+    assert trained - cloned >= 0.10, (
+        f"RL added {trained - cloned:+.2f} to the clone's {cloned} (measured {measured})"
+    )
