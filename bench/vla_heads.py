@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, write_result
 
@@ -61,8 +63,7 @@ def run_kind(kind: str, args: argparse.Namespace, base_model: Path, root: Path) 
     trained = time.perf_counter()
     records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     validations = [(r["step"], r["val/success"]) for r in records if "val/success" in r]
-    steps = [r for r in records if r["step"] > 0]
-    step_s = sum(r["timing/step"] for r in steps) / len(steps)
+    step_s = float(np.mean([r["timing/step"] for r in records if "timing/step" in r]))
     cfg = load_config(args.config, common)
     episodes_per_step = cfg.data.train_batch_size * cfg.rollout.n
     return {
@@ -97,11 +98,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--root", type=Path, help="keep every run's logs and metrics here (default: a temp dir)"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every kind")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = args.root or Path(tmp)
         base = build_tiny(root / "tiny-model", seed=0)
         with ThreadPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(lambda kind: run_kind(kind, args, base, root), args.kinds))
@@ -115,7 +119,12 @@ def main() -> None:
         )
     if args.out:
         write_result(
-            args.out, {"machine": machine(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}
+            args.out,
+            {
+                "machine": machine(),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "rows": rows,
+            },
         )
 
 
