@@ -3,8 +3,8 @@ expert, each cloned the same way and trained with the same episode GRPO for the 
 
 Each kind is `mmrl sft` then `mmrl train` as a user runs them, in 1-thread subprocesses (`--jobs` at
 once, so kinds that run together share the machine alike). The table gives the clone's validation
-success, RL's at the end, the lift, the cloning and RL time, seconds per RL step and training episodes
-per second; the JSON keeps every validation.
+success, RL's at the end, the lift, the cloning and RL time, wall seconds per RL step (validations
+included) and training episodes per second of rollout; the JSON keeps every validation.
 
     python bench/vla_heads.py --jobs 3 --out bench/results/vla_heads.json
     python bench/vla_heads.py --kinds gaussian flow --steps 40 --seed 2
@@ -63,7 +63,8 @@ def run_kind(kind: str, args: argparse.Namespace, base_model: Path, root: Path) 
     trained = time.perf_counter()
     records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     validations = [(r["step"], r["val/success"]) for r in records if "val/success" in r]
-    step_s = float(np.mean([r["timing/step"] for r in records if "timing/step" in r]))
+    # A step whose groups all scored alike trains nothing and logs no timing: rollouts are timed where logged.
+    rollout_s = float(np.mean([r["timing/rollout"] for r in records if "timing/rollout" in r] or [np.nan]))
     cfg = load_config(args.config, common)
     episodes_per_step = cfg.data.train_batch_size * cfg.rollout.n
     return {
@@ -74,8 +75,8 @@ def run_kind(kind: str, args: argparse.Namespace, base_model: Path, root: Path) 
         "validations": validations,
         "sft_s": cloned - start,
         "rl_s": trained - cloned,
-        "s_per_step": step_s,
-        "episodes_per_s": episodes_per_step / step_s,
+        "s_per_step": (trained - cloned) / args.steps,  # wall time, validations and start-up included
+        "episodes_per_s": episodes_per_step / rollout_s,
     }
 
 
