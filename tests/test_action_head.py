@@ -72,7 +72,7 @@ def head_dir(request, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def frames():
-    """Prompts of three reach frames."""
+    """Three reach observations (frame, instruction, state) from seeds 1-3."""
     envs = LocalEnvs("reach", 3, {"image_size": 56})
     obs = [r[0] for r in envs.reset([1, 2, 3])]
     envs.close()
