@@ -293,6 +293,17 @@ def family_fixtures(media: Media, *names: str, cases: list[str] | None = None) -
     return model_dir, model, processor, prompts
 
 
+def hf_batch_fixture() -> Any:
+    """A test module's `hf_batch` fixture, for it to assign to that name: `hf_samples` of its prompts, once
+    per module (and per family where the module runs several)."""
+
+    @pytest.fixture(scope="module")
+    def hf_batch(model, processor, prompts) -> Batch:
+        return hf_samples(model, processor, prompts)
+
+    return hf_batch
+
+
 def hf_samples(model, processor, prompts: list[PromptSample]) -> Batch:
     """Two responses to each prompt from the HF engine with its log-probs, more tokens in all than responses
     (not every one cut short at its first token)."""

@@ -21,7 +21,7 @@ from family_cases import (
     assert_trainer_logprobs_match,
     colour_rows,
     family_fixtures,
-    hf_samples,
+    hf_batch_fixture,
     image_media,
     processor_outputs,
     shared_and_packed_gaps,
@@ -31,7 +31,6 @@ from helpers import mixed_media_rows
 from PIL import Image
 from safetensors import safe_open
 
-from mmrl.data.batch import Batch
 from mmrl.models import family_of
 from mmrl.models.gemma3 import TINY_IMAGE_TOKENS, TINY_SIDE, TINY_WINDOW, Gemma3, square
 from mmrl.processors import fit_image
@@ -84,10 +83,7 @@ def test_position_ids_count_attended_tokens(model, prompts) -> None:
 
 
 # ------------------------------------------------------------------ log-probs
-@pytest.fixture(scope="module")
-def hf_batch(model, processor, prompts) -> Batch:
-    """One image, two images and text only, two responses each, from the HF engine."""
-    return hf_samples(model, processor, prompts)
+hf_batch = hf_batch_fixture()
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:

@@ -18,7 +18,7 @@ from family_cases import (
     assert_trainer_logprobs_match,
     assert_vllm_matches_trainer,
     family_fixtures,
-    hf_samples,
+    hf_batch_fixture,
     media_at,
     two_training_steps,
     update_moves,
@@ -29,7 +29,6 @@ from helpers import mixed_media_rows
 from safetensors import safe_open
 
 from mmrl.cli import main
-from mmrl.data.batch import Batch
 from mmrl.data.sample import POSITION_RULE, vision_inputs
 from mmrl.models import family_of
 from mmrl.processors import PositionRule, build_messages, keep_frames_kwargs
@@ -117,10 +116,7 @@ def test_video_positions_of_different_lengths_and_frame_rates_equal_get_rope_ind
 
 
 # ------------------------------------------------------------------ log-probs
-@pytest.fixture(scope="module")
-def hf_batch(model, processor, prompts) -> Batch:
-    """Image, two images, a video, text only and image + video in one left-padded HF engine batch."""
-    return hf_samples(model, processor, prompts)
+hf_batch = hf_batch_fixture()
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:

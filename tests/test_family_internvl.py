@@ -19,7 +19,7 @@ from family_cases import (
     assert_trainer_logprobs_match,
     colour_rows,
     family_fixtures,
-    hf_samples,
+    hf_batch_fixture,
     image_media,
     processor_outputs,
     shared_and_packed_gaps,
@@ -29,7 +29,6 @@ from helpers import mixed_media_rows
 from PIL import Image
 from safetensors import safe_open
 
-from mmrl.data.batch import Batch
 from mmrl.models import family_of
 from mmrl.models.internvl import TINY_TILE, tile_range, tiled_canvas
 from mmrl.processors import fit_image
@@ -103,10 +102,7 @@ def test_position_ids_count_attended_tokens(model, prompts) -> None:
 
 
 # ------------------------------------------------------------------ log-probs
-@pytest.fixture(scope="module")
-def hf_batch(model, processor, prompts) -> Batch:
-    """One image, two images and text only, two responses each, from the HF engine."""
-    return hf_samples(model, processor, prompts)
+hf_batch = hf_batch_fixture()
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:

@@ -23,7 +23,7 @@ from family_cases import (
     assert_vllm_matches_trainer,
     colour_rows,
     family_fixtures,
-    hf_samples,
+    hf_batch_fixture,
     image_media,
     processor_pixels,
     shared_and_packed_gaps,
@@ -37,7 +37,6 @@ from PIL import Image
 from safetensors import safe_open
 from transformers.image_processing_utils import select_best_resolution
 
-from mmrl.data.batch import Batch
 from mmrl.models import family_of
 from mmrl.models.llava_onevision import TINY_BASE, pinpoint_canvas, pinpoints
 from mmrl.processors import fit_image
@@ -101,10 +100,7 @@ def test_position_ids_count_attended_tokens(model, prompts) -> None:
 
 
 # ------------------------------------------------------------------ log-probs
-@pytest.fixture(scope="module")
-def hf_batch(model, processor, prompts) -> Batch:
-    """One image, two images of different grids and text only, two responses each, from the HF engine."""
-    return hf_samples(model, processor, prompts)
+hf_batch = hf_batch_fixture()
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:

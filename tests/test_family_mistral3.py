@@ -22,7 +22,7 @@ from family_cases import (
     assert_trainer_logprobs_match,
     colour_rows,
     family_fixtures,
-    hf_samples,
+    hf_batch_fixture,
     image_media,
     processor_pixels,
     shared_and_packed_gaps,
@@ -32,7 +32,6 @@ from helpers import mixed_media_rows
 from PIL import Image
 from safetensors import safe_open
 
-from mmrl.data.batch import Batch
 from mmrl.models import family_of
 from mmrl.models.mistral3 import BREAK, END, IMAGE, pixtral_size
 from mmrl.processors import fit_image
@@ -100,10 +99,7 @@ def test_position_ids_count_attended_tokens(model, prompts) -> None:
 
 
 # ------------------------------------------------------------------ log-probs
-@pytest.fixture(scope="module")
-def hf_batch(model, processor, prompts) -> Batch:
-    """One image, two images of different sizes and text only, two responses each, from the HF engine."""
-    return hf_samples(model, processor, prompts)
+hf_batch = hf_batch_fixture()
 
 
 def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, processor, hf_batch) -> None:

@@ -18,7 +18,7 @@ from family_cases import (
     assert_vllm_matches_trainer,
     family_fixtures,
     frames,
-    hf_samples,
+    hf_batch_fixture,
     media_at,
     plain_logprobs,
     update_moves,
@@ -190,10 +190,7 @@ def test_both_position_rules_are_vllms_own_layout(model, processor, name) -> Non
 
 
 # ------------------------------------------------------------------ log-probs
-@pytest.fixture(scope="module")
-def hf_batch(model, processor, prompts) -> Batch:
-    """Image, two images, a video, text only and image + video in one left-padded HF engine batch."""
-    return hf_samples(model, processor, prompts)
+hf_batch = hf_batch_fixture()
 
 
 def _diffs(model, processor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
