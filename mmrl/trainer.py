@@ -256,7 +256,7 @@ class Trainer:
             batch.set(response_mask=batch["response_mask"] * ~batch["truncated"][:, None])
         if self.critic is not None:
             with timer("critic"):
-                metrics.update(update_critic(self.critic, critic_plan(self.cfg, batch), batch))
+                metrics.update(update_critic(self.critic, critic_plan(self.cfg, batch, plan), batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
                 stats = self.policy.update(batch, plan.minibatches(batch))

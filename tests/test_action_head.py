@@ -31,6 +31,7 @@ from mmrl.models.flow_expert import FlowActionExpert
 from mmrl.processors import PixelBudget
 from mmrl.rollout import SamplingParams, make_engine
 from mmrl.rollout.action_head import ActionHeadEngine
+from mmrl.run.logger import read_metrics
 from mmrl.sources.startup import check_action_head
 from mmrl.trainer import Trainer
 from mmrl.training.forward import forward_logprobs
@@ -231,6 +232,25 @@ def test_a_head_policys_run_checkpoints_the_head_and_resumes_exactly(tmp_path, h
     exported = export_plain(last, tmp_path / "export")  # `mmrl export`: the head goes with the backbone
     assert load_file(exported / "action_head.safetensors").keys() == whole.keys()
     assert action_head_of(load_policy(exported)).spec == action_head_of(load_policy(head_dir)).spec
+
+
+def test_a_head_policy_trains_beside_a_critic_of_its_decisions(tmp_path, head_dir) -> None:
+    # PPO with GAE (algorithm.adv_estimator=gae): the critic, the VLM with a value head starting at V = 0,
+    # values every decision of the episodes and regresses on each decision's return (reach's shaped reward).
+    cfg = tiny_vla_config(
+        head_dir,
+        tmp_path / "run",
+        "env.options={image_size: 56, max_steps: 4, shaping: 1.0}",
+        "env.val_episodes=0",
+        "algorithm.adv_estimator=gae",
+        "critic.lr=3e-3",
+        "trainer.total_steps=3",
+    )
+    Trainer(cfg).fit()
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"]]
+    assert records[0]["critic/values_mean"] == 0.0 and records[-1]["critic/values_mean"] != 0.0
+    assert all(r["actor/updates"] == 1 for r in records)
+    assert max(r["actor/rollout_logprob_diff"] for r in records) < 1e-5
 
 
 @pytest.mark.parametrize(

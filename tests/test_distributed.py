@@ -208,7 +208,8 @@ def test_two_workers_critic_values_update_and_resume_like_one_process(
     batch = _scored_batch(cfg)
     batch.set(values=torch.zeros_like(batch["advantages"]), returns=torch.randn(batch["advantages"].shape))
     torch.manual_seed(1)
-    first, second = critic_plan(cfg, batch), critic_plan(cfg, batch)
+    plan = update_plan(cfg)
+    first, second = critic_plan(cfg, batch, plan), critic_plan(cfg, batch, plan)
     assert len(first) == 2
 
     # The head starts at zero: the first step moves the head only, the second the trunk through it.

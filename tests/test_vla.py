@@ -24,7 +24,7 @@ from mmrl.models import ACTION_TOKENS, load_policy, load_processor
 from mmrl.processors import PixelBudget
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.hf import HFEngine
-from mmrl.sources.episodes import episode_advantages, step_advantages, train_seeds
+from mmrl.sources.episodes import decision_advantages, episode_advantages, step_advantages, train_seeds
 from mmrl.trainer import Trainer
 from mmrl.training.forward import forward_logprobs
 from mmrl.training.supervised import supervised_step
@@ -270,6 +270,31 @@ def test_gigpo_over_episodes_credits_the_decision_that_differed_from_a_shared_st
     assert torch.allclose(to_go[:, 1], torch.tensor([1.0, 1.0, 0.0, 0.0]))
 
 
+def test_gae_over_episodes_credits_each_decision_with_what_followed_it() -> None:
+    # Two episodes in lockstep rows (episode 0 takes three decisions, episode 1 two), γ = 0.9, λ = 0.5,
+    # V(s_t) the critic's value at each decision's first action token. By hand, δ_t = r_t + γV_{t+1} − V_t
+    # with V = 0 after the last decision, Â_t = δ_t + γλÂ_{t+1}:
+    #   episode 0: r (0, 0, 1), V (0.5, 0.4, 0.8): δ (-0.14, 0.32, 0.2), Â (0.0445, 0.41, 0.2)
+    #   episode 1: r (0, 1),    V (0.2, 0.6):      δ (0.34, 0.4),        Â (0.52, 0.4)
+    # returns Â + V; the policy gets Â whitened over the five decisions.
+    values = torch.tensor([0.5, 0.2, 0.4, 0.6, 0.8])
+    batch = Batch(
+        tensors={
+            "episode_index": torch.tensor([0, 1, 0, 1, 0]),
+            "group_index": torch.tensor([0, 0, 0, 0, 0]),
+            "step_rewards": torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]),
+            "values": torch.stack([values, values + 5.0], dim=1),  # later tokens' values are not read
+            "response_mask": torch.tensor([[1, 1]] * 5),
+        }
+    )
+    advantages, returns = decision_advantages(get_advantage_estimator("gae"), batch, gamma=0.9, lam=0.5)
+    raw = torch.tensor([0.0445, 0.52, 0.41, 0.4, 0.2])
+    whitened = (raw - raw.mean()) / (raw.std() + 1e-6)
+    assert torch.allclose(advantages, whitened[:, None].expand(5, 2), atol=1e-5)
+    assert torch.allclose(returns[:, 0], raw + values, atol=1e-6)
+    assert torch.equal(returns[:, 0], returns[:, 1])
+
+
 def test_clipped_cloning_steps_move_the_weights_no_further_than_the_clip(tiny_model_dir) -> None:
     # Plain SGD at lr 1: the step is the (clipped) gradient itself, so its norm is the clip.
     processor = load_processor(tiny_model_dir)
@@ -387,7 +412,7 @@ def test_env_configs_refuse_what_episodes_cannot_use(tmp_path, tiny_model_dir) -
         load_config(None, [f"model.path={tiny_model_dir}"])
     with pytest.raises(ConfigError, match=r"warmup.steps > 0.*mmrl sft"):
         _cfg(tmp_path, tiny_model_dir, "warmup.steps=5")
-    with pytest.raises(ConfigError, match="gae or remax"):
+    with pytest.raises(ConfigError, match="remax"):
         _cfg(tmp_path, tiny_model_dir, "algorithm.adv_estimator=remax")
 
 

@@ -68,8 +68,8 @@ def check_env_supported(
     refused = {
         "data.train_files (episodes are the data)": bool(data.train_files),
         "warmup.steps > 0 (use `mmrl sft` to start from demos)": warmup.steps > 0,
-        "algorithm.adv_estimator gae or remax (episodes use group baselines)": algorithm.adv_estimator
-        in ("gae", "remax"),
+        "algorithm.adv_estimator=remax (an episode has no greedy twin to compare with)": algorithm.adv_estimator
+        == "remax",
         "algorithm.use_kl_in_reward (use actor.use_kl_loss)": algorithm.use_kl_in_reward,
         "algorithm.policy_filtration (it filters single-turn prompts' responses)": algorithm.policy_filtration
         is not None,

@@ -3,6 +3,8 @@
 Each step runs `rollout.n` episodes from each of `data.train_batch_size` initial states. An episode's
 return is the reward of every decision in it, and advantages are normalised over the episodes that
 share an initial state (trajectory-level GRPO), so each episode counts once however long it ran.
+With a learned critic (`algorithm.adv_estimator=gae`) each decision is credited by GAE over its
+episode's decisions instead (`decision_advantages`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ class EpisodeSource(RolloutSource):
         options = a.estimator_options()
         if a.adv_estimator == "gigpo":
             return step_advantages(self.estimator, batch, step_weight=a.step_weight, **options)
+        if "values" in batch:  # a learned critic: GAE over each episode's decisions
+            return decision_advantages(self.estimator, batch, **options)
         return episode_advantages(self.estimator, batch, **options)
 
     def update_plan(self, batch: Batch) -> UpdatePlan:
@@ -211,3 +215,26 @@ def step_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch
     )
     mask = batch["response_mask"].float()
     return advantages * mask, targets * mask
+
+
+def decision_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages from a learned critic (GAE, PPO's estimator): each episode's decisions form one
+    sequence in time order, decision t with its own reward r_t and the critic's V(s_t), read where the
+    decision's prompt ends (before any of its action tokens). The estimator runs over those sequences as
+    over a response's tokens, so δ_t = r_t + γ V(s_{t+1}) − V(s_t), with V = 0 after the last decision:
+    an episode's end, by success or by its time limit, is terminal, as the return counts only what the
+    episode collected. Each decision's advantage and return then stand on all of its action tokens (the
+    critic regresses every one of its positions on the decision's return).
+
+    Unlike the group baselines this needs no group, and credits each decision with what followed it
+    rather than with the whole episode's return."""
+    position, first = first_rows(batch["episode_index"])
+    onehot = torch.nn.functional.one_hot(position, len(first))
+    time = (onehot.cumsum(0) * onehot).sum(1) - 1  # rows of an episode are in time order
+    shape = (len(first), int(time.max()) + 1)
+    rewards = torch.zeros(shape).index_put_((position, time), batch["step_rewards"].float())
+    values = torch.zeros(shape).index_put_((position, time), batch["values"][:, 0].float())
+    taken = torch.zeros(shape).index_put_((position, time), torch.ones(len(position)))
+    advantages, returns = estimator(rewards, taken, batch["group_index"][first], values=values, **options)
+    mask = batch["response_mask"].float()
+    return advantages[position, time][:, None] * mask, returns[position, time][:, None] * mask

@@ -19,7 +19,7 @@ from mmrl.models import autocast_for, family_of, load_policy
 from mmrl.training.actor import optimizer_steps
 from mmrl.training.forward import evaluate_rows, response_hidden
 from mmrl.training.micro_batches import Layout, micro_layout
-from mmrl.training.optim import MiniBatch, TrainedModel, per_minibatch, plan_minibatches
+from mmrl.training.optim import MiniBatch, TrainedModel, UpdatePlan, per_minibatch, plan_minibatches
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -27,11 +27,11 @@ def needs_critic(cfg: Config) -> bool:
     return needs_of(get_advantage_estimator(cfg.algorithm.adv_estimator)).critic
 
 
-def critic_plan(cfg: Config, batch: Batch) -> list[MiniBatch]:
-    """The critic's mini-batches: the actor's size, `critic.ppo_epochs` (default the actor's) shuffles."""
-    rows_per_step = cfg.actor.mini_batch_size * cfg.rollout.n
+def critic_plan(cfg: Config, batch: Batch, actor: UpdatePlan) -> list[MiniBatch]:
+    """The critic's mini-batches: the actor's (`actor`, the source's plan: prompts' responses, or an
+    episode step's decisions), `critic.ppo_epochs` (default the actor's) shuffles."""
     epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
-    return plan_minibatches(batch, rows_per_step, epochs, cfg.rollout.max_new_tokens)
+    return plan_minibatches(batch, actor.rows, epochs, actor.horizon)
 
 
 class ValueModel(nn.Module):
