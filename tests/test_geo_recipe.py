@@ -1,6 +1,6 @@
 """The geometry recipe as written, on CPU: `mmrl train configs/qwen25vl_geo.yaml` with the tiny model and
 synthetic geometry runs 3 steps, with only the overrides a CPU-sized run needs (paths, batch sizes,
-lengths, two CPU workers for eight GPUs). Everything else (vLLM engine, pixel budget, format prompt, rewards,
+lengths, two CPU workers for eight GPUs, vLLM eager). Everything else (vLLM engine, pixel budget, format prompt, rewards,
 KL, clipping) runs as a GPU node would run it."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ CPU_OVERRIDES = [
     "rollout.max_new_tokens=32",
     "trainer.n_gpus_per_node=2",  # two CPU workers instead of eight GPUs: FSDP2 on gloo, a vLLM engine each
     "rollout.vllm.max_model_len=2560",
+    "rollout.vllm.enforce_eager=true",  # no C++ compilation (~20 s an engine on a fresh machine)
     "trainer.total_steps=3",
     "trainer.val_every=3",
     "trainer.save_every=3",

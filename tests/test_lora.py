@@ -44,6 +44,7 @@ def _config(model: Path, data: Path, out: Path, steps: int, engine: str) -> list
         f"rollout.engine={engine}",
         "rollout.vllm.max_model_len=512",
         "rollout.vllm.verify_sync_every=1",
+        "rollout.vllm.enforce_eager=true",
         f"data.train_files={data / 'train.jsonl'}",
         "data.val_files=[]",
         f"trainer.output_dir={out}",
