@@ -180,12 +180,12 @@ def test_env_and_agent_runs_are_refused_at_start_naming_why(model_dir, tmp_path,
 
 
 # ------------------------------------------------------------------ vLLM
-def test_vllm_prompt_ids_hold_one_placeholder_per_image_and_video(model, prompts) -> None:
+def test_vllm_prompt_ids_hold_one_placeholder_per_image_and_video(model, processor, prompts) -> None:
     """What vLLM's GLM-4V processor expands: one `<|image|>` per image, one `<|video|>` per video between
     its delimiters (its frames, their image tokens and seconds gone)."""
     family, cfg = family_of(model), model.config
     for prompt in prompts:
-        ids = family.vllm_prompt_ids(prompt.prompt_ids)
+        ids = family.vllm_prompt_ids(prompt.prompt_ids, processor.tokenizer)
         assert ids.count(cfg.image_token_id) == len(prompt.images)
         assert ids.count(cfg.video_token_id) == len(prompt.videos)
         assert ids.count(cfg.image_start_token_id) == len(prompt.images)

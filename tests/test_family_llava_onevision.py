@@ -133,11 +133,11 @@ def test_video_rows_and_agent_runs_are_refused_at_start_naming_why(
 
 
 # ------------------------------------------------------------------ vLLM
-def test_vllm_prompt_ids_hold_one_image_token_per_image(model, prompts) -> None:
+def test_vllm_prompt_ids_hold_one_image_token_per_image(model, processor, prompts) -> None:
     """What vLLM's LLaVA-OneVision processor expands: one `<image>` per image."""
     family = family_of(model)
     for prompt in prompts:
-        ids = family.vllm_prompt_ids(prompt.prompt_ids)
+        ids = family.vllm_prompt_ids(prompt.prompt_ids, processor.tokenizer)
         assert ids.count(model.config.image_token_id) == len(prompt.images)
 
 

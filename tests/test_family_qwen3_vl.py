@@ -258,7 +258,7 @@ def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prom
     """What the engine must send for Qwen3-VL, and why the default (pad runs cut to one) is not it."""
     family, cfg = family_of(model), model.config
     for prompt in prompts:
-        ids = family.vllm_prompt_ids(prompt.prompt_ids)
+        ids = family.vllm_prompt_ids(prompt.prompt_ids, processor.tokenizer)
         assert ids.count(cfg.image_token_id) == len(prompt.images)
         assert ids.count(cfg.video_token_id) == len(prompt.videos)
         assert (
@@ -266,7 +266,7 @@ def test_vllm_prompt_ids_hold_one_pad_per_video_and_image(model, processor, prom
             == ids.count(cfg.vision_end_token_id)
             == len(prompt.images) + len(prompt.videos)
         )
-        collapsed = Family.vllm_prompt_ids(family, prompt.prompt_ids)
+        collapsed = Family.vllm_prompt_ids(family, prompt.prompt_ids, processor.tokenizer)
         assert (ids == collapsed) == (not prompt.videos)
 
 

@@ -314,9 +314,10 @@ class Family:
         """Module name prefixes whose linear layers may get LoRA adapters."""
         return ("model.language_model.", *(("model.visual.",) if include_vision else ()))
 
-    def vllm_prompt_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int], tokenizer: Any) -> list[int]:
         """Prompt ids as vLLM takes them: each run of image (or video) pads cut to one, since vLLM
-        expands each to its item's token count itself and would expand an expanded run again."""
+        expands each to its item's token count itself and would expand an expanded run again. `tokenizer`
+        names the run's other special tokens where the config does not (Mistral 3's)."""
         pads = tuple(self.media_token_ids().values())
         ids = list(prompt_ids)
         return [t for i, t in enumerate(ids) if not (t in pads and i and ids[i - 1] == t)]

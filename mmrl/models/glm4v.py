@@ -191,7 +191,7 @@ class Glm4v(Family):
             embeds = embeds.masked_scatter(slots[..., None], features)
         return {"inputs_embeds": embeds}
 
-    def vllm_prompt_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int], tokenizer: Any) -> list[int]:
         """Prompt ids as vLLM takes them: one `<|image|>` per image, and each video's frames and seconds
         as one `<|video|>` between its delimiters, which vLLM's GLM-4V processor expands itself."""
         cfg = self.config

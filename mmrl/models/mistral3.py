@@ -19,9 +19,9 @@ What differs from the Qwen line:
   text model has no sliding window, nor has the tiny one, so the shared-prompt and packed forwards are exact;
   a checkpoint with a window shorter than its rows would need the packed forward refused, as Gemma 3's is.
 - Saved names: transformers 5.19 saves Mistral 3 under its original LLaVA checkpoints' names, as InternVL.
-- vLLM: refused for now (`vllm_unsupported`). vLLM 0.32 serves the tiny model, and gives the trainer's
-  log-probs (9.5e-7 apart) once each image's run is cut back to one `[IMG]` and no video options are
-  passed; mmrl cannot cut a real checkpoint's runs from its config alone.
+- vLLM: each image's run is cut back to one `[IMG]` (`vllm_prompt_ids`), which vLLM's Pixtral processor
+  expands again, rows, breaks and end included; the break and end ids come from the tokenizer, since a
+  Mistral 3 config names only `[IMG]`. No video options reach vLLM (the processor has no video processor).
 
 Video is refused: Mistral 3 takes no video.
 """
@@ -29,6 +29,7 @@ Video is refused: Mistral 3 takes no video.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -70,10 +71,6 @@ class Mistral3(LlavaLayout):
     takes_video = False
     image_size_rule = staticmethod(pixtral_size)
     media_pads: ClassVar[tuple[str, str]] = (IMAGE, VIDEO_PAD)
-    vllm_unsupported = (
-        "vLLM 0.32 expands each [IMG] of a prompt to a whole image run itself, and cutting mmrl's expanded runs "
-        "back to one [IMG] needs the [IMG_BREAK] and [IMG_END] ids, which a Mistral 3 config does not hold"
-    )
     tiny_special_tokens: ClassVar[tuple[str, ...]] = (IMAGE, BREAK, END)
     tiny_chat_media: ClassVar[tuple[str, str]] = (IMAGE, VIDEO_PAD)
 
@@ -90,6 +87,20 @@ class Mistral3(LlavaLayout):
 
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         raise ValueError(f"{self.name} models take no video")
+
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int], tokenizer: Any) -> list[int]:
+        """One `[IMG]` per image: each run, from its first `[IMG]` through its `[IMG_END]`, cut to its first
+        token (images written back to back stay apart, as each run ends at its own `[IMG_END]`)."""
+        image, end = self.config.image_token_index, tokenizer.convert_tokens_to_ids(END)
+        out: list[int] = []
+        in_run = False
+        for token in prompt_ids:
+            if in_run:
+                in_run = token != end
+                continue
+            out.append(token)
+            in_run = token == image
+        return out
 
     def unpatched(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """Each image, (3, height, width), from its patch rows (`processors.patch_inputs`)."""

@@ -94,7 +94,7 @@ class Qwen3_VL(Family):
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         return _timestamped_video_text(video, budget)
 
-    def vllm_prompt_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int], tokenizer: Any) -> list[int]:
         """Prompt ids as vLLM takes them: one `<|video_pad|>` per video and one `<|image_pad|>` per image
         (vLLM expands each itself). A video's whole timestamped text, `<t seconds><|vision_start|>pads
         <|vision_end|>` per temporal patch, becomes one pad inside the template's own `<|vision_start|>`

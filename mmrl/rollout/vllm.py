@@ -30,7 +30,7 @@ from mmrl.algorithms import BLOCKED_LOGIT
 from mmrl.config import VLLMConfig
 from mmrl.data.batch import Batch
 from mmrl.data.sample import POSITION_RULE, PromptSample
-from mmrl.models import family_of, model_folder, never_generated_ids, tokenizer_of
+from mmrl.models import Family, family_of, model_folder, never_generated_ids, tokenizer_of
 from mmrl.processors import PositionRule, Video, keep_frames_kwargs
 from mmrl.rollout import cpu_shm
 from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
@@ -178,7 +178,7 @@ class VLLMEngine(GeneratesAtOnce):
             # The log-probs of the distribution actually sampled from (after temperature), which is
             # what the trainer's softmax(logits / T) computes.
             logprobs_mode="processed_logprobs",
-            **(self._media_options(processor, min_pixels, max_pixels) if family.takes_images else {}),
+            **(self._media_options(family, processor, min_pixels, max_pixels) if family.takes_images else {}),
         )
         if shares_cpu_memory:
             cpu_shm.release_names()
@@ -188,10 +188,14 @@ class VLLMEngine(GeneratesAtOnce):
         self._verified_level_2 = False  # the first reload after a level-2 sleep is always verified
 
     @staticmethod
-    def _media_options(processor: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
-        """vLLM options of a vision-language model (a text-only model takes none)."""
+    def _media_options(family: Family, processor: Any, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+        """vLLM options of a vision-language model (a text-only model takes none; one without video, such
+        as Mistral 3, has no video processor to take options)."""
+        videos = (
+            {"videos_kwargs": keep_frames_kwargs(processor.video_processor)} if family.takes_video else {}
+        )
         return {
-            "limit_mm_per_prompt": {"image": 8, "video": 4},
+            "limit_mm_per_prompt": {"image": 8, "video": 4 if family.takes_video else 0},
             # Images and video frames were sized by `processors.fit_image` and `video_frame_size` (a
             # row's own keys included) and must stay as they are: resizing a fitted image again can
             # move it (a min = max budget lands a grid step off the budget). The pixel budget still
@@ -200,7 +204,7 @@ class VLLMEngine(GeneratesAtOnce):
                 "min_pixels": min_pixels,
                 "max_pixels": max_pixels,
                 "images_kwargs": {"do_resize": False},
-                "videos_kwargs": keep_frames_kwargs(processor.video_processor),
+                **videos,
             },
         }
 
@@ -234,7 +238,9 @@ class VLLMEngine(GeneratesAtOnce):
         return self._to_batch(prompts, outputs, params)
 
     def _request(self, prompt: PromptSample) -> dict[str, Any]:
-        request: dict[str, Any] = {"prompt_token_ids": self.family.vllm_prompt_ids(prompt.prompt_ids)}
+        request: dict[str, Any] = {
+            "prompt_token_ids": self.family.vllm_prompt_ids(prompt.prompt_ids, self.tokenizer)
+        }
         media: dict[str, Any] = {}
         if prompt.images:
             media["image"] = list(prompt.images)
