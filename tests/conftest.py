@@ -31,17 +31,49 @@ from learning_runs import WARMUP_CACHE_ENV
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-@pytest.fixture
-def local_ray():
-    """A real local Ray cluster with two logical CPUs, whatever this machine has: room for two workers.
-
-    `address="local"` always starts this process its own cluster: without it `ray.init` joins a cluster
-    another xdist worker started (`--dist loadgroup` does not keep every `ray` test on one worker), and
-    joining with `num_cpus` set is refused."""
+@pytest.fixture(scope="module")
+def _module_ray():
+    """Shuts down, after a module's last test, the cluster its `local_ray` tests shared."""
+    yield
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(_module_ray):
+    """A real local Ray cluster with two logical CPUs, whatever this machine has: room for two workers.
+
+    The tests of one module share it (a start and a shutdown cost about 5 s a test); a test that leaves
+    any of its CPUs taken (a worker it did not close, a failure midway) shuts it down, so the next test
+    starts a clean one. `address="local"` always starts this process its own cluster: without it
+    `ray.init` joins a cluster another xdist worker started (`--dist loadgroup` does not keep every `ray`
+    test on one worker), and joining with `num_cpus` set is refused."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
+    if not _cpus_released(ray):
+        ray.shutdown()
+
+
+def _cpus_released(ray: Any, wait_s: float = 3.0) -> bool:
+    """Whether every CPU of the cluster is free again (Ray releases a killed actor's shortly after)."""
+    deadline = time.monotonic() + wait_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture
+def no_ray() -> None:
+    """For a test that starts a Ray cluster of its own: the module's shared one (`local_ray`) goes first,
+    or mmrl would join it (`mmrl.workers.cluster.connect`) instead."""
+    import ray
+
     ray.shutdown()
 
 

@@ -85,7 +85,7 @@ def test_overlap_needs_a_correction_and_no_episodes() -> None:
 
 
 def test_fsdp_trainer_workers_feed_a_rollout_worker_the_weights_gathered_from_their_shards(
-    tmp_path, tiny_model_dir
+    no_ray, tmp_path, tiny_model_dir
 ) -> None:
     """Two FSDP2 trainer workers and a rollout worker of its own (three Ray actors): after an update the
     whole weights, gathered from the shards with LoRA merged, reach the rollout worker before the next

@@ -320,7 +320,9 @@ def _run_overrides(model: Path, data: Path, out: Path, steps: int, *extra: str) 
     ]
 
 
-def test_trainer_places_lora_workers_on_both_nodes_of_a_two_node_cluster(tmp_path, tiny_model_dir) -> None:
+def test_trainer_places_lora_workers_on_both_nodes_of_a_two_node_cluster(
+    no_ray, tmp_path, tiny_model_dir
+) -> None:
     """`ray.cluster_utils.Cluster` fakes two nodes on this machine: separate raylets, one CPU each."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
