@@ -230,10 +230,14 @@ RUNS: dict[str, LearningRun] = {
     "zoom": LearningRun(
         "configs/quickstart_agent.yaml", zoom_task, steps=30, min_gain=0.15, val_every=10, chance=1 / 3
     ),
-    # Success over 100 evaluation episodes. RL's gain over the behaviour-cloned policy: +0.07, -0.01, +0.07,
-    # so only a loss of more than 0.05 (two standard errors at success 0.07) fails; the rise from the
-    # untrained policy is asserted in tests/test_vla_learning.py.
-    "vla": LearningRun("configs/vla_mujoco_reach.yaml", None, steps=20, min_gain=-0.05, metric="val/success"),
+    # Success over 100 evaluation episodes, sampled. RL's gain over the behaviour-cloned policy after 20 steps:
+    # +0.17, +0.08, +0.12 (seeds 1-3, AVX2, 2026-12-04; +0.07, -0.01, +0.07 on 2026-11-24, before the
+    # shared-prompt forward and the HF engine's own sampler). Validated every 10 steps, the run ends at the
+    # first validation 0.04 above the clone; the rise from the untrained policy is asserted in
+    # tests/test_vla_learning.py.
+    "vla": LearningRun(
+        "configs/vla_mujoco_reach.yaml", None, steps=20, min_gain=0.04, val_every=10, metric="val/success"
+    ),
 }
 
 
