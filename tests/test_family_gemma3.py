@@ -53,7 +53,7 @@ def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_load
         saved = set(f.keys())
         assert set(sent) == saved and all(torch.equal(t, f.get_tensor(n)) for n, t in sent.items())
     assert "language_model.model.embed_tokens.weight" in saved
-    assert "vision_tower.embeddings.patch_embedding.weight" in saved
+    assert "vision_tower.vision_model.embeddings.patch_embedding.weight" in saved  # the released name
     units = family.fsdp_units(model)
     assert units == [*model.model.vision_tower.encoder.layers, *model.model.language_model.layers]
 

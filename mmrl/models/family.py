@@ -118,6 +118,9 @@ class Family:
     # The tiny build's tokenizer (Qwen's special tokens) adds these, and its chat template writes an image
     # and a video part so: the family's own spelling where it is not Qwen's.
     tiny_special_tokens: ClassVar[tuple[str, ...]] = ()
+    # Plain tokens the family's own vocabulary holds whole and a tiny build's tokenizer must too (Gemma's
+    # runs of newlines, which vLLM's Gemma 3 processor looks up by their text).
+    tiny_added_tokens: ClassVar[tuple[str, ...]] = ()
     # Env observations and tool results are written as Qwen chat turns with Qwen's image tokens
     # (`processors.chat.user_turn_text`); a family that reads other turns and tokens refuses env and agent runs.
     qwen_turns: ClassVar[bool] = True

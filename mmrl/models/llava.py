@@ -10,7 +10,7 @@ what differs: sizing, its image text, the encoding, its tower's layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -65,3 +65,21 @@ class LlavaLayout(Family):
     def lora_prefixes(self, include_vision: bool) -> tuple[str, ...]:
         vision = ("model.vision_tower.", "model.multi_modal_projector.") if include_vision else ()
         return ("model.language_model.", *vision)
+
+
+RELEASED_SIGLIP = "vision_tower.vision_model."
+
+
+class ReleasedSiglipNames:
+    """A family whose SigLIP tower transformers saves as `vision_tower.`, where the released checkpoints (and
+    so vLLM 0.32's loader) hold it under `vision_tower.vision_model.`: transformers loads both, so folders
+    mmrl writes, and every weight sync, use the released names (LLaVA-OneVision, Gemma 3)."""
+
+    relaid_out = True
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """SigLIP's tensors under the released `vision_tower.vision_model.`; every other one as saved."""
+        tower = "vision_tower."
+        if name.startswith(tower) and not name.startswith(RELEASED_SIGLIP):
+            name = RELEASED_SIGLIP + name[len(tower) :]
+        yield name, tensor

@@ -33,7 +33,6 @@ video, a placeholder and encoding path mmrl does not write yet.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -49,7 +48,7 @@ from transformers.image_processing_utils import select_best_resolution
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from mmrl.models.family import Grid, register
-from mmrl.models.llava import LlavaLayout
+from mmrl.models.llava import LlavaLayout, ReleasedSiglipNames
 from mmrl.models.qwen2_5_vl import tiny_text
 from mmrl.processors import PixelBudget, Video, VideoBudget
 
@@ -57,7 +56,6 @@ IMAGE, VIDEO = "<image>", "<video>"
 GRID_SIDES = 6  # the released pinpoints: every grid of 1..6 by 1..6 base squares
 TINY_BASE = 28  # the tiny SigLIP's input side: 2 x 2 patches of 14 px
 TINY_PATCH = 14
-RELEASED_TOWER = "vision_tower.vision_model."
 
 
 def pinpoints(side: int) -> list[list[int]]:
@@ -92,7 +90,7 @@ def feature_count(config: Any, height: int, width: int) -> int:
 
 
 @register
-class LlavaOnevision(LlavaLayout):
+class LlavaOnevision(ReleasedSiglipNames, LlavaLayout):
     name = "llava_onevision"
     model_types = ("llava_onevision",)
     model_class = "LlavaOnevisionForConditionalGeneration"
@@ -105,9 +103,7 @@ class LlavaOnevision(LlavaLayout):
         **LlavaLayout.saved_prefixes,
         "model.image_newline": "image_newline",
     }
-    # ...but for SigLIP's, which the released checkpoints (and so vLLM 0.32's loader) hold under
-    # `vision_tower.vision_model.`: transformers loads both, so folders mmrl writes are in the released names.
-    relaid_out = True
+    # ...but for SigLIP's (`ReleasedSiglipNames`).
     tiny_special_tokens: ClassVar[tuple[str, ...]] = (IMAGE, VIDEO)
     tiny_chat_media: ClassVar[tuple[str, str]] = (IMAGE, VIDEO)
 
@@ -163,13 +159,6 @@ class LlavaOnevision(LlavaLayout):
         most = max(len(c) for c in crops)
         padded = torch.stack([nn.functional.pad(c, (0, 0, 0, 0, 0, 0, 0, most - len(c))) for c in crops])
         return {"pixel_values": padded, "image_sizes": sizes}
-
-    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """SigLIP's tensors under the released `vision_tower.vision_model.`; every other one as saved."""
-        tower = "vision_tower."
-        if name.startswith(tower) and not name.startswith(RELEASED_TOWER):
-            name = RELEASED_TOWER + name[len(tower) :]
-        yield name, tensor
 
     # ------------------------------------------------------------------ structure
     def freeze_vision(self, model: Any) -> None:

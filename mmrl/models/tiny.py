@@ -94,10 +94,14 @@ def _tokenizer_corpus() -> list[str]:
 
 
 def build_tokenizer(
-    vocab_size: int = 1024, special_tokens: Sequence[str] = (), template: str = CHAT_TEMPLATE
+    vocab_size: int = 1024,
+    special_tokens: Sequence[str] = (),
+    template: str = CHAT_TEMPLATE,
+    added_tokens: Sequence[str] = (),
 ) -> Qwen2TokenizerFast:
-    """Train a byte-level BPE with Qwen's special tokens, then `special_tokens` (a family's own, after all
-    others, so every other id stays as it is), and a chat template (about a second)."""
+    """Train a byte-level BPE with Qwen's special tokens, then `special_tokens` and `added_tokens` (a
+    family's own, after all others, so every other id stays as it is), and a chat template (about a
+    second)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -120,6 +124,7 @@ def build_tokenizer(
     )
     fast.add_tokens(TAG_TOKENS)
     fast.add_tokens(list(special_tokens), special_tokens=True)
+    fast.add_tokens(list(added_tokens))
     fast.chat_template = template
     return fast
 
@@ -151,7 +156,9 @@ def build_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(
-        special_tokens=cls.tiny_special_tokens, template=chat_template(*cls.tiny_chat_media)
+        special_tokens=cls.tiny_special_tokens,
+        template=chat_template(*cls.tiny_chat_media),
+        added_tokens=cls.tiny_added_tokens,
     )
     processor = tokenizer
     if cls.takes_images:
