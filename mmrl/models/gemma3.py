@@ -24,7 +24,9 @@ What differs from the Qwen line:
 - vLLM: refused (`vllm_unsupported`). vLLM 0.32 on CPU serves the tiny model, and its expanded prompts are
   mmrl's once each image's `\\n\\n<start_of_image>…<end_of_image>\\n\\n` is sent as `<start_of_image>` with
   two newlines taken from the newline tokens on each side; but rows with images come back up to 3e-3
-  from the trainer's log-probs (text-only rows 1e-6), over the 1e-3 mmrl holds vLLM to. Not yet traced.
+  from the trainer's log-probs (text-only rows 1e-6), over the 1e-3 mmrl holds vLLM to. vLLM's CPU
+  attention backend has no bidirectional attention among a multimodal item's tokens (`supports_mm_prefix`,
+  which its GPU backends give with FlashAttention 4), so it attends causally within each image.
 
 Video is refused: Gemma 3 takes no video.
 """
@@ -74,9 +76,8 @@ class Gemma3(ReleasedSiglipNames, LlavaLayout):
     image_size_rule = staticmethod(square)
     media_pads: ClassVar[tuple[str, str]] = (START, VIDEO_PAD)
     vllm_unsupported = (
-        "vLLM 0.32 on CPU runs the tiny model and expands its prompts as mmrl does once each image's run is cut "
-        "back to its <start_of_image> (the blank lines around it merged as Gemma's tokenizer does), but its "
-        "log-probs of rows with images differ from the trainer's by up to 3e-3, text-only rows by 1e-6"
+        "vLLM 0.32's CPU attention backend attends causally within an image, where Gemma 3 attends both ways "
+        "(it has no `supports_mm_prefix`): rows with images come back up to 3e-3 from the trainer's log-probs"
     )
     tiny_special_tokens: ClassVar[tuple[str, ...]] = tuple(NAMED_TOKENS.values())
     tiny_added_tokens: ClassVar[tuple[str, ...]] = NEWLINES
