@@ -229,8 +229,11 @@ def decision_advantages(estimator: Any, batch: Batch, **options: Any) -> tuple[t
     Unlike the group baselines this needs no group, and credits each decision with what followed it
     rather than with the whole episode's return."""
     position, first = first_rows(batch["episode_index"])
-    onehot = torch.nn.functional.one_hot(position, len(first))
-    time = (onehot.cumsum(0) * onehot).sum(1) - 1  # rows of an episode are in time order
+    order = torch.argsort(position, stable=True)  # each episode's rows together, still in time order
+    counts = torch.bincount(position)
+    starts = counts.cumsum(0) - counts
+    time = torch.empty_like(position)
+    time[order] = torch.arange(len(position)) - starts[position[order]]  # each row's decision index
     shape = (len(first), int(time.max()) + 1)
     rewards = torch.zeros(shape).index_put_((position, time), batch["step_rewards"].float())
     values = torch.zeros(shape).index_put_((position, time), batch["values"][:, 0].float())
