@@ -497,6 +497,17 @@ def vllm_engine_for(
     _fresh_vllm_process_groups()
 
 
+def vllm_engine_fixture(images: PixelBudget, dtype: torch.dtype = torch.float32) -> Any:
+    """A test module's `vllm_engine` fixture, for it to assign to that name: `vllm_engine_for` its
+    `model_dir` at the pixel budget `images`, once per module."""
+
+    @pytest.fixture(scope="module")
+    def vllm_engine(model_dir):
+        yield from vllm_engine_for(model_dir, dtype, images)
+
+    return vllm_engine
+
+
 def _fresh_vllm_process_groups() -> None:
     """An in-process vLLM engine keeps its process groups after it is gone, and the next engine in the
     process reuses them as they are: one built after a dense model's has no expert-parallel group, and

@@ -40,8 +40,12 @@ MEDIA = image_media(TINY_SIDE, square)
 model_dir, model, processor, prompts = family_fixtures(MEDIA, "gemma3", cases=IMAGE_CASES)
 
 
-def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_loads(model, model_dir) -> None:
+def test_the_tiny_build_is_the_real_architecture_saved_under_the_names_vllm_loads(
+    model, model_dir, processor
+) -> None:
     family = family_of(model)
+    # Gemma's vocabulary holds runs of up to four newlines whole, as the tiny tokenizer must too
+    assert processor.tokenizer.tokenize("a\n\n\nb\n\n") == ["a", "\n\n\n", "b", "\n\n"]
     assert type(model).__name__ == family.model_class == "Gemma3ForConditionalGeneration"
     assert family.grid().factor == family.tiny_grid_factor == TINY_SIDE  # every image is one square
     text = model.config.text_config

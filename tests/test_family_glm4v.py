@@ -22,7 +22,7 @@ from family_cases import (
     media_at,
     two_training_steps,
     update_moves,
-    vllm_engine_for,
+    vllm_engine_fixture,
     vllm_only,
 )
 from helpers import mixed_media_rows
@@ -198,9 +198,7 @@ def test_vllm_prompt_ids_hold_one_placeholder_per_image_and_video(model, process
             ]
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    yield from vllm_engine_for(model_dir, images=MEDIA.images)
+vllm_engine = vllm_engine_fixture(MEDIA.images)
 
 
 @vllm_only

@@ -29,7 +29,7 @@ from family_cases import (
     shared_and_packed_gaps,
     two_training_steps,
     update_moves,
-    vllm_engine_for,
+    vllm_engine_fixture,
     vllm_only,
 )
 from helpers import mixed_media_rows
@@ -149,9 +149,7 @@ def test_vllm_prompt_ids_hold_one_image_token_per_image(model, processor, prompt
     assert family.vllm_prompt_ids([7, *run, *run, 8], tokenizer) == [7, image, image, 8]  # back to back
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    yield from vllm_engine_for(model_dir, images=MEDIA.images)
+vllm_engine = vllm_engine_fixture(MEDIA.images)
 
 
 @vllm_only

@@ -18,7 +18,7 @@ from family_cases import (
     plain_logprobs,
     update_moves,
     vllm_diff,
-    vllm_engine_for,
+    vllm_engine_fixture,
     vllm_only,
 )
 from safetensors import safe_open
@@ -149,9 +149,7 @@ def test_trainer_logprobs_equal_the_hf_engine_and_a_plain_forward(model, process
 
 
 # ------------------------------------------------------------------ vLLM
-@pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    yield from vllm_engine_for(model_dir, images=MEDIA.images)
+vllm_engine = vllm_engine_fixture(MEDIA.images)
 
 
 @vllm_only

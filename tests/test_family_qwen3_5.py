@@ -26,7 +26,7 @@ from family_cases import (
     rope_index,
     update_on_samples,
     vllm_diff,
-    vllm_engine_for,
+    vllm_engine_fixture,
     vllm_only,
 )
 from safetensors import safe_open
@@ -268,9 +268,7 @@ def vllm_prompts(model, processor) -> list[PromptSample]:
     return [MEDIA.prompt(processor, family, i, case) for i, case in enumerate(cases)]
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    yield from vllm_engine_for(model_dir, VLLM_DTYPE, MEDIA.images)
+vllm_engine = vllm_engine_fixture(MEDIA.images, VLLM_DTYPE)
 
 
 @vllm_only

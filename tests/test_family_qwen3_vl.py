@@ -22,7 +22,7 @@ from family_cases import (
     media_at,
     plain_logprobs,
     update_moves,
-    vllm_engine_for,
+    vllm_engine_fixture,
     vllm_only,
 )
 from PIL import Image
@@ -291,10 +291,9 @@ def test_mmrl_saves_experts_in_the_released_layout_which_transformers_reads_back
         assert all(torch.equal(v, reloaded[k]) for k, v in state.items())
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    """The engine loads the tiny build as mmrl saved it (released expert layout)."""
-    yield from vllm_engine_for(model_dir, images=MEDIA.images)
+vllm_engine = vllm_engine_fixture(
+    MEDIA.images
+)  # loads the tiny build as mmrl saved it (released expert layout)
 
 
 @vllm_only
