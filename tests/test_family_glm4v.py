@@ -14,6 +14,7 @@ import torch
 from family_cases import (
     POSITION_BATCHES,
     assert_positions_are_get_rope_index,
+    assert_refused_at_start,
     assert_resync_matches,
     assert_trainer_logprobs_match,
     assert_vllm_matches_trainer,
@@ -177,6 +178,26 @@ def test_env_and_agent_runs_are_refused_at_start_naming_why(model_dir, tmp_path,
     err = capsys.readouterr().err
     assert "models cannot run" in err and "Qwen-VL model" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_images_beside_videos_on_fsdp_workers_with_the_hf_engine_are_refused_at_start(
+    model_dir, tmp_path, capsys
+) -> None:
+    """On FSDP workers the HF engine samples with transformers' `generate`, whose GLM forward takes images
+    or videos, not both in one batch: a run whose rows mix them stops before training, exit 2, naming the ways
+    out."""
+    rows = mixed_media_rows(tmp_path / "data")
+    workers = ["trainer.n_gpus_per_node=2", "rollout.engine=hf"]
+    assert_refused_at_start(
+        capsys,
+        model_dir,
+        tmp_path,
+        "configs/quickstart.yaml",
+        rows,
+        workers,
+        "not both",
+        "rollout.engine=vllm",
+    )
 
 
 # ------------------------------------------------------------------ vLLM

@@ -250,11 +250,15 @@ class PromptDataset:
             self.media_count = sum(self.has_media(row) for row, _ in self.rows)
         return self.media_count
 
-    def video_rows(self) -> int:
-        """How many rows name videos (a family that takes none can use none of them)."""
-        return sum(
-            "__bad__" not in row and not is_empty(lookup(row, self.cfg.video_key)) for row, _ in self.rows
-        )
+    def rows_by_media(self) -> dict[str, int]:
+        """How many rows name images and how many videos: a family may take only one kind, or not both in
+        one `generate` call."""
+        _, _, image_key = self.keys
+        rows = [row for row, _ in self.rows if "__bad__" not in row]
+        return {
+            kind: sum(not is_empty(lookup(row, key)) for row in rows)
+            for kind, key in (("image", image_key), ("video", self.cfg.video_key))
+        }
 
     def has_media(self, row: dict[str, Any]) -> bool:
         """Whether the row names images or videos."""

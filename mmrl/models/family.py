@@ -91,6 +91,8 @@ class Family:
     model_class: ClassVar[str]  # the transformers class that loads the checkpoint, by name
     takes_images: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
+    # Whether transformers' own forward (what `generate` runs) takes images and videos in one batch.
+    generate_mixes_media: ClassVar[bool] = True
     # The vision tower attends within each image's span of one packed sequence of patches (`cu_seqlens`),
     # which `mmrl.models.vision_attention` batches; a tower that takes a batch of tiles (InternViT) keeps SDPA.
     packed_vision: ClassVar[bool] = True

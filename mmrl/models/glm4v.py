@@ -20,7 +20,9 @@ What is their own:
 - Forward: transformers 5.19's GLM forward finds both kinds' slots as `<|image|>` tokens, so a forward
   with images and videos together (one prompt with both, or a batch mixing image and video rows) fails
   its count check ("Image features and image tokens do not match"). `token_inputs` places the encoded
-  features itself, each kind at its own tokens, and hands the model the embeddings.
+  features itself, each kind at its own tokens, and hands the model the embeddings. Only transformers'
+  `generate` (the HF engine on FSDP workers) runs the model's own forward: a run there whose rows mix
+  images and videos is refused at start (`generate_mixes_media`).
 - Saved names: transformers 5.19 saves GLM under its in-memory names, which vLLM's loader maps
   (`hf_to_vllm_mapper`), so no renaming. GLM-4.5V holds its routed experts fused and saves them per
   expert (transformers' Qwen2-MoE conversion), as vLLM's loader reads them.
@@ -138,6 +140,7 @@ class Glm4v(Family):
     video_size_rule = staticmethod(whole_clip)
     media_pads: ClassVar[tuple[str, str]] = (IMAGE, VIDEO)
     qwen_turns = False  # GLM's turns and image tokens differ: env and agent runs are refused at start
+    generate_mixes_media = False  # transformers' forward takes a video frame's `<|image|>`s for image slots
     saved_prefixes: ClassVar[dict[str, str]] = {}
     tiny_special_tokens: ClassVar[tuple[str, ...]] = tuple(GLM_MEDIA_IDS.values())
     tiny_chat_media: ClassVar[tuple[str, str]] = (

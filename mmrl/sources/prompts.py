@@ -34,6 +34,7 @@ from mmrl.errors import ConfigError
 from mmrl.models import family_of, tokenizer_of
 from mmrl.processors import VideoBudget
 from mmrl.rewards import RewardInput, RewardManager
+from mmrl.rollout import resolve_engine
 from mmrl.rollout.base import SamplingParams
 from mmrl.run.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.sources import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
@@ -387,16 +388,32 @@ def build_datasets(cfg: Config, processor: Any, model_config: Any) -> tuple[Prom
     )
     train = PromptDataset.from_config(d, inputs)
     val_set = PromptDataset.from_config(d, inputs, key="val_files") if d.val_files else None
-    if not family.takes_video:
-        for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
-            videos = dataset.video_rows() if dataset is not None else 0
-            if videos:
-                raise ConfigError(
-                    f"data.{name}_files ({', '.join(map(str, files))}): {videos} of {len(dataset)} rows have "
-                    f"videos, but model.path {cfg.model.path} is a {family.name} model, which mmrl cannot "
-                    "show videos yet. Remove those rows (or their video column), or train a Qwen-VL or GLM model."
-                )
+    for name, files, dataset in (("train", d.train_files, train), ("val", d.val_files, val_set)):
+        if dataset is not None:
+            _check_media_kinds(cfg, family, f"data.{name}_files ({', '.join(map(str, files))})", dataset)
     return train, _prepared_val(val_set, d.max_val_samples)
+
+
+def _check_media_kinds(cfg: Config, family: Any, files: str, dataset: PromptDataset) -> None:
+    """Refuse at start what the family cannot show: videos where it takes none, and images beside videos
+    where its own forward takes one kind at a time and the run samples through `generate` (the HF engine
+    on FSDP workers, whose shards must step together)."""
+    rows = dataset.rows_by_media()
+    if rows["video"] and not family.takes_video:
+        raise ConfigError(
+            f"{files}: {rows['video']} of {len(dataset)} rows have videos, but model.path {cfg.model.path} is "
+            f"a {family.name} model, which mmrl cannot show videos yet. Remove those rows (or their video "
+            "column), or train a Qwen-VL or GLM model."
+        )
+    engine = cfg.rollout.engine
+    generates = cfg.trainer.world_size > 1 and engine != "vllm" and resolve_engine(engine) == "hf"
+    if rows["video"] and rows["image"] and generates and not family.generate_mixes_media:
+        raise ConfigError(
+            f"{files}: {rows['image']} rows have images and {rows['video']} videos, and on FSDP workers the "
+            f"HF engine samples with transformers' `generate`, whose {family.name} forward takes images or "
+            "videos, not both in one batch. Set rollout.engine=vllm, train on one process, or split the "
+            "image and video rows into separate runs."
+        )
 
 
 def agent_prompting(cfg: Config) -> dict[str, Any]:
