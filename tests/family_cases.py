@@ -396,6 +396,31 @@ def shared_and_packed_gaps(
     return gaps
 
 
+def assert_lora_reaches_the_vision_tower(model_dir: Path, batch: Batch, pad_id: int) -> None:
+    """LoRA with `include_vision` on a fresh copy of the tiny model: adapters only, on the family's
+    language model and vision tower (`Family.lora_prefixes`), and the log-probs of `batch` (rows with
+    images) reach every vision adapter's weights, as a training step's loss would."""
+    from mmrl.config import LoraConfig
+    from mmrl.training.lora import apply_lora
+
+    model = load_policy(model_dir)
+    family = family_of(model)
+    apply_lora(model, LoraConfig(rank=4, include_vision=True))
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0, where no gradient would reach A
+            p.data = torch.randn(p.shape, generator=gen) * 0.05
+    logp = forward_logprobs(model, batch, pad_id, TEMPERATURE)[0]
+    logp[batch["response_mask"].bool()].sum().backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    vision = set(family.lora_prefixes(True)) - set(family.lora_prefixes(False))
+    seen = {n: p.grad for n, p in trainable.items() if any(f".{prefix}" in f".{n}" for prefix in vision)}
+    assert seen, f"no adapters under {sorted(vision)}"
+    silent = [n for n, g in seen.items() if g is None or not g.abs().sum()]
+    assert not silent, f"vision adapters the loss does not reach ({len(silent)} of {len(seen)}): {silent[:5]}"
+
+
 # ------------------------------------------------------------------ runs through the CLI
 # What a run refuses at start for a family that takes no video and reads no Qwen chat turns:
 # (config, extra overrides, what the error says).
@@ -457,7 +482,7 @@ def assert_refused_at_start(
     ]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert all(s in err for s in says) and "Traceback" not in err
+    assert all(s in err for s in says) and "Traceback" not in err, err
 
 
 # ------------------------------------------------------------------ vLLM

@@ -16,6 +16,7 @@ from family_cases import (
     IMAGE_CASES,
     REFUSED_AT_START,
     REFUSED_ON_VLLM,
+    assert_lora_reaches_the_vision_tower,
     assert_positions_count_attended_tokens,
     assert_refused_at_start,
     assert_trainer_logprobs_match,
@@ -116,6 +117,11 @@ def test_the_shared_prompt_forward_equals_the_padded_one_and_packing_would_not(
     forced = mock.patch.object(Gemma3, "packs_sequences", True)
     gaps = shared_and_packed_gaps(model, processor, hf_batch, forced)
     assert gaps["shared"] < 1e-5 and gaps["packed"] > 1e-2
+
+
+def test_lora_adapters_on_the_vision_tower_are_reached_by_the_loss(model_dir, processor, hf_batch) -> None:
+    """`model.lora.include_vision`: the adapters on SigLIP and the projector get gradients from a batch with images."""
+    assert_lora_reaches_the_vision_tower(model_dir, hf_batch, processor.tokenizer.pad_token_id)
 
 
 # ------------------------------------------------------------------ runs

@@ -13,8 +13,8 @@ import pytest
 import torch
 from family_cases import (
     POSITION_BATCHES,
+    assert_lora_reaches_the_vision_tower,
     assert_positions_are_get_rope_index,
-    assert_refused_at_start,
     assert_resync_matches,
     assert_trainer_logprobs_match,
     assert_vllm_matches_trainer,
@@ -30,10 +30,13 @@ from helpers import mixed_media_rows
 from safetensors import safe_open
 
 from mmrl.cli import main
+from mmrl.config import load_config
 from mmrl.data.sample import POSITION_RULE, vision_inputs
+from mmrl.errors import ConfigError
 from mmrl.models import family_of
 from mmrl.processors import PositionRule, build_messages, keep_frames_kwargs
 from mmrl.rollout.vllm import checkpoint_names
+from mmrl.sources.prompts import build_datasets
 from mmrl.training.forward import forward_logprobs
 
 FAMILIES = ["glm4v", "glm4v_moe"]
@@ -140,6 +143,11 @@ def test_packed_rows_equal_padded_rows(model, processor, hf_batch) -> None:
     assert gap.max() < 1e-5
 
 
+def test_lora_adapters_on_the_vision_tower_are_reached_by_the_loss(model_dir, processor, hf_batch) -> None:
+    """`model.lora.include_vision`: the adapters on GLM's vision tower get gradients from a batch with images."""
+    assert_lora_reaches_the_vision_tower(model_dir, hf_batch, processor.tokenizer.pad_token_id)
+
+
 def test_the_models_own_forward_refuses_an_image_with_a_video(model, processor, prompts) -> None:
     """Why the family places the media itself (`Glm4v.token_inputs`): transformers 5.19's GLM forward takes
     a video frame's `<|image|>` tokens for image slots too."""
@@ -181,23 +189,18 @@ def test_env_and_agent_runs_are_refused_at_start_naming_why(model_dir, tmp_path,
 
 
 def test_images_beside_videos_on_fsdp_workers_with_the_hf_engine_are_refused_at_start(
-    model_dir, tmp_path, capsys
+    model, model_dir, processor, tmp_path
 ) -> None:
     """On FSDP workers the HF engine samples with transformers' `generate`, whose GLM forward takes images
-    or videos, not both in one batch: a run whose rows mix them stops before training, exit 2, naming the ways
-    out."""
+    or videos, not both in one batch: rows that mix them are refused as the run builds its data, before
+    training, naming the ways out. On one process (mmrl's own sampler places the media) they are taken."""
     rows = mixed_media_rows(tmp_path / "data")
-    workers = ["trainer.n_gpus_per_node=2", "rollout.engine=hf"]
-    assert_refused_at_start(
-        capsys,
-        model_dir,
-        tmp_path,
-        "configs/quickstart.yaml",
-        rows,
-        workers,
-        "not both",
-        "rollout.engine=vllm",
-    )
+    base = [f"model.path={model_dir}", f"data.train_files={rows}", "data.val_files=[]", "rollout.engine=hf"]
+    train, _ = build_datasets(load_config("configs/quickstart.yaml", base), processor, model.config)
+    assert train.rows_by_media()["image"] and train.rows_by_media()["video"]
+    workers = load_config("configs/quickstart.yaml", [*base, "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=r"not both in one batch\. Set rollout\.engine=vllm"):
+        build_datasets(workers, processor, model.config)
 
 
 # ------------------------------------------------------------------ vLLM

@@ -15,6 +15,7 @@ import torch
 from family_cases import (
     IMAGE_CASES,
     REFUSED_AT_START,
+    assert_lora_reaches_the_vision_tower,
     assert_padded_pixels_are_the_processors,
     assert_positions_count_attended_tokens,
     assert_refused_at_start,
@@ -113,6 +114,11 @@ def test_packed_and_shared_prompt_forwards_equal_the_padded_one(model, processor
     """The padded forward with every response running its own prompt copy, against the shared-prompt forward
     (the groups' prompts run once) and the packed one, both to 1e-5."""
     assert max(shared_and_packed_gaps(model, processor, hf_batch).values()) < 1e-5
+
+
+def test_lora_adapters_on_the_vision_tower_are_reached_by_the_loss(model_dir, processor, hf_batch) -> None:
+    """`model.lora.include_vision`: the adapters on SigLIP and the projector get gradients from a batch with images."""
+    assert_lora_reaches_the_vision_tower(model_dir, hf_batch, processor.tokenizer.pad_token_id)
 
 
 # ------------------------------------------------------------------ runs

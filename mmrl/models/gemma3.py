@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3Processor
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -123,6 +124,17 @@ class Gemma3(ReleasedSiglipNames, LlavaLayout):
         return {**pixels, "token_type_ids": self.media_token_types(input_ids)}
 
     # ------------------------------------------------------------------ tiny models
+    @classmethod
+    def new_model(cls, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """transformers starts the projector's matrix at zero (released weights replace it), which would
+        give a random-init model zero image features, the same for every image, and no gradient into the
+        tower: it starts random here, as the text model's matrices do."""
+        model = super().new_model(config, dtype)
+        with torch.no_grad():
+            std = config.get_text_config().initializer_range
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, std)
+        return model
+
     @classmethod
     def tiny_config(cls, tokenizer: Any) -> Gemma3Config:
         """A tiny SigLIP on a tiny Gemma 3 text model: one sliding-window layer then one global one (the
