@@ -23,6 +23,7 @@ from mmrl.models import (
     load_policy,
     load_processor,
     model_folder,
+    resolve_dtype,
 )
 from mmrl.training.lora import apply_lora
 
@@ -158,3 +159,20 @@ def test_a_transformers_that_would_drop_encoded_media_is_refused(tiny_model_dir,
             )
     finally:
         families._takes_encoded_media.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("capability", "bf16", "expected"),
+    [("AVX512", True, torch.bfloat16), ("AVX2", True, torch.float32), ("AVX512", False, torch.float32)],
+)
+def test_auto_dtype_is_bf16_on_a_cpu_that_runs_it_natively(monkeypatch, capability, bf16, expected) -> None:
+    """`model.dtype: auto` on a CPU: bf16 where it has bf16 instructions and ATen may use them, fp32 where
+    bf16 would be emulated or ATen is pinned below AVX-512 (as this suite pins it, so its runs stay fp32)."""
+    assert resolve_dtype("auto", "cpu") == torch.float32  # the suite's AVX2 pin (conftest.py)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+    assert resolve_dtype("auto", "cpu") == expected
+    assert (
+        resolve_dtype("float32", "cpu") == torch.float32
+        and resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    )

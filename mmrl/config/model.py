@@ -27,7 +27,11 @@ class ModelConfig(Section):
     path: str = Field(
         description="A model folder or hub id of a supported family (README), or `mmrl model init-tiny` output"
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype. auto: bf16 on GPUs and on CPUs with bf16 instructions (AVX-512 BF16, "
+        "AMX), fp32 elsewhere",
+    )
     freeze_vision_tower: bool = False
     gradient_checkpointing: bool = Field(
         False,
