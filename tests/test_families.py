@@ -170,7 +170,8 @@ def test_auto_dtype_is_bf16_on_a_cpu_that_runs_it_natively(monkeypatch, capabili
     bf16 would be emulated or ATen is pinned below AVX-512 (as this suite pins it, so its runs stay fp32)."""
     assert resolve_dtype("auto", "cpu") == torch.float32  # the suite's AVX2 pin (conftest.py)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert resolve_dtype("auto", "cpu") == expected
     assert (
         resolve_dtype("float32", "cpu") == torch.float32

@@ -120,7 +120,8 @@ def test_the_shared_prompt_forward_equals_the_padded_one_and_packing_would_not(
 
 
 def test_lora_adapters_on_the_vision_tower_are_reached_by_the_loss(model_dir, processor, hf_batch) -> None:
-    """`model.lora.include_vision`: the adapters on SigLIP and the projector get gradients from a batch with images."""
+    """`model.lora.include_vision`: the adapters on SigLIP (the projector is a bare matrix)
+    get gradients from a batch with images."""
     assert_lora_reaches_the_vision_tower(model_dir, hf_batch, processor.tokenizer.pad_token_id)
 
 

@@ -159,6 +159,7 @@ def test_vllm_prompt_ids_hold_one_context_token_per_image(model, processor, prom
         assert ids.count(context) == len(prompt.images) and not {start, end} & set(ids)
     run = [start, context, context, end]
     assert family.vllm_prompt_ids([7, *run, *run, 8], tokenizer) == [7, context, context, 8]
+    assert family.vllm_prompt_ids([7, start, 9, end, 8], tokenizer) == [7, start, 9, end, 8]  # text `<img>`
 
 
 def test_vllm_is_told_each_prompts_tile_counts(model) -> None:

@@ -254,11 +254,12 @@ class PromptDataset:
         """How many rows name images and how many videos: a family may take only one kind, or not both in
         one `generate` call."""
         _, _, image_key = self.keys
-        rows = [row for row, _ in self.rows if "__bad__" not in row]
-        return {
-            kind: sum(not is_empty(lookup(row, key)) for row in rows)
-            for kind, key in (("image", image_key), ("video", self.cfg.video_key))
-        }
+        counts = {"image": 0, "video": 0}
+        for row, _ in self.rows:  # one row at a time: a row may hold its images' bytes
+            if "__bad__" not in row:
+                counts["image"] += not is_empty(lookup(row, image_key))
+                counts["video"] += not is_empty(lookup(row, self.cfg.video_key))
+        return counts
 
     def has_media(self, row: dict[str, Any]) -> bool:
         """Whether the row names images or videos."""

@@ -116,14 +116,15 @@ class InternVL(LlavaLayout):
         in place of it, so each image's run from `<img>` through `</img>` is cut to one."""
         start, end = tokenizer.convert_tokens_to_ids([START, END])
         context = self.config.image_token_id
+        ids = list(prompt_ids)
         out: list[int] = []
         in_run = False
-        for token in prompt_ids:
-            if token == start:
+        for i, token in enumerate(ids):
+            if in_run:
+                in_run = token != end
+            elif token == start and ids[i + 1 : i + 2] == [context]:  # an image's run, not a written `<img>`
                 in_run = True
                 out.append(context)
-            elif in_run:
-                in_run = token != end
             else:
                 out.append(token)
         return out
@@ -132,7 +133,8 @@ class InternVL(LlavaLayout):
         """The tile range that makes vLLM's processor cut each image into the tiles it was fitted to (its
         saved range could pick others): the images' own counts. Within a range the processor may take a
         larger grid of an image's shape (its tie-break, as `processors.tiled_inputs` says), so images of
-        different counts in one prompt must each be the processor's pick within the range of them all."""
+        different counts in one prompt must each be the processor's pick within the range of them all (a
+        prompt where one is not stops the run when it is sampled, naming the way out)."""
         if not images:
             return {}
         side = self.grid().factor

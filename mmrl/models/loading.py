@@ -122,12 +122,11 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 
 def cpu_runs_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX, as oneDNN reports them) and ATen
-    may use its AVX-512 kernels (`ATEN_CPU_CAPABILITY` not pinned lower). A 2,048-square matmul on a 2-core
-    AMD EPYC with AVX-512 BF16: 42 ms in bf16, 99 ms in fp32."""
-    return (
-        torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX; plain AVX-512 only emulates bf16)
+    and ATen may use its AVX-512 kernels (`ATEN_CPU_CAPABILITY` not pinned lower). A 2,048-square matmul on
+    a 2-core AMD EPYC with AVX-512 BF16: 42 ms in bf16, 99 ms in fp32."""
+    instructions = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return instructions and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 # Set on a VLA policy's config by `mmrl sft` (and saved with it): [first, end) of its action-token ids.

@@ -398,6 +398,11 @@ def _check_media_kinds(cfg: Config, family: Any, files: str, dataset: PromptData
     """Refuse at start what the family cannot show: videos where it takes none, and images beside videos
     where its own forward takes one kind at a time and the run samples through `generate` (the HF engine
     on FSDP workers, whose shards must step together)."""
+    # The HF engine on the policy's own FSDP workers (a rollout worker of its own samples on one process).
+    engine, workers = cfg.rollout.engine, cfg.trainer.world_size > 1 and not cfg.rollout.max_staleness
+    generates = workers and engine != "vllm" and resolve_engine(engine) == "hf"
+    if family.takes_video and (family.generate_mixes_media or not generates):
+        return  # nothing to refuse: skip reading every row
     rows = dataset.rows_by_media()
     if rows["video"] and not family.takes_video:
         raise ConfigError(
@@ -405,8 +410,6 @@ def _check_media_kinds(cfg: Config, family: Any, files: str, dataset: PromptData
             f"a {family.name} model, which mmrl cannot show videos yet. Remove those rows (or their video "
             "column), or train a Qwen-VL or GLM model."
         )
-    engine = cfg.rollout.engine
-    generates = cfg.trainer.world_size > 1 and engine != "vllm" and resolve_engine(engine) == "hf"
     if rows["video"] and rows["image"] and generates and not family.generate_mixes_media:
         raise ConfigError(
             f"{files}: {rows['image']} rows have images and {rows['video']} videos, and on FSDP workers the "
