@@ -356,6 +356,25 @@ class Family:
         raise NotImplementedError
 
 
+def cut_runs(
+    ids: Sequence[int], start: int, end: int, placeholder: int, then: int | None = None
+) -> list[int]:
+    """`ids` with each run from `start` (when followed by `then`, if given) through `end` cut to one
+    `placeholder`: the token vLLM's processor expands back into an image's run (`vllm_prompt_ids`)."""
+    ids = list(ids)
+    out: list[int] = []
+    in_run = False
+    for i, token in enumerate(ids):
+        if in_run:
+            in_run = token != end
+        elif token == start and (then is None or ids[i + 1 : i + 2] == [then]):
+            in_run = True
+            out.append(placeholder)
+        else:
+            out.append(token)
+    return out
+
+
 def per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """A tensor as a checkpoint of per-expert weights has it (how transformers saves, and vLLM loads,
     Qwen2-style MoE layers whose experts it holds fused): `mlp.experts.gate_up_proj` (E, 2I, H) as each

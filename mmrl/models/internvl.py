@@ -34,7 +34,7 @@ from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLProcesso
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
 
-from mmrl.models.family import Grid, register
+from mmrl.models.family import Grid, cut_runs, register
 from mmrl.models.llava import LlavaLayout
 from mmrl.models.qwen2_5_vl import tiny_text
 from mmrl.processors import PixelBudget, Video, VideoBudget
@@ -116,18 +116,7 @@ class InternVL(LlavaLayout):
         in place of it, so each image's run from `<img>` through `</img>` is cut to one."""
         start, end = tokenizer.convert_tokens_to_ids([START, END])
         context = self.config.image_token_id
-        ids = list(prompt_ids)
-        out: list[int] = []
-        in_run = False
-        for i, token in enumerate(ids):
-            if in_run:
-                in_run = token != end
-            elif token == start and ids[i + 1 : i + 2] == [context]:  # an image's run, not a written `<img>`
-                in_run = True
-                out.append(context)
-            else:
-                out.append(token)
-        return out
+        return cut_runs(prompt_ids, start, end, context, then=context)  # a written `<img>` stays
 
     def vllm_processor_options(self, images: Sequence[Any]) -> dict[str, Any]:
         """The tile range that makes vLLM's processor cut each image into the tiles it was fitted to (its
@@ -141,10 +130,8 @@ class InternVL(LlavaLayout):
         grids = [(image.height // side, image.width // side) for image in images]
         low, high = min(r * c for r, c in grids), max(r * c for r, c in grids)
         for rows, columns in grids:
-            if get_optimal_tiled_canvas((rows * side, columns * side), (side, side), low, high) != (
-                columns,
-                rows,
-            ):
+            picked = get_optimal_tiled_canvas((rows * side, columns * side), (side, side), low, high)
+            if picked != (columns, rows):
                 raise ValueError(
                     f"vLLM's InternVL processor takes one tile range per prompt, and within {low}..{high} tiles "
                     f"it would cut a {rows} x {columns}-tile image into another grid than the trainer's: give "

@@ -40,7 +40,7 @@ from transformers.image_utils import ChannelDimension
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.pixtral.image_processing_pixtral import get_resize_output_image_size
 
-from mmrl.models.family import Grid, register
+from mmrl.models.family import Grid, cut_runs, register
 from mmrl.models.llava import LlavaLayout
 from mmrl.models.qwen2_5_vl import tiny_text
 from mmrl.processors import PixelBudget, Video, VideoBudget
@@ -91,16 +91,8 @@ class Mistral3(LlavaLayout):
     def vllm_prompt_ids(self, prompt_ids: Sequence[int], tokenizer: Any) -> list[int]:
         """One `[IMG]` per image: each run, from its first `[IMG]` through its `[IMG_END]`, cut to its first
         token (images written back to back stay apart, as each run ends at its own `[IMG_END]`)."""
-        image, end = self.config.image_token_index, tokenizer.convert_tokens_to_ids(END)
-        out: list[int] = []
-        in_run = False
-        for token in prompt_ids:
-            if in_run:
-                in_run = token != end
-                continue
-            out.append(token)
-            in_run = token == image
-        return out
+        image = self.config.image_token_index
+        return cut_runs(prompt_ids, image, tokenizer.convert_tokens_to_ids(END), image)
 
     def unpatched(self, pixels: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """Each image, (3, height, width), from its patch rows (`processors.patch_inputs`)."""
