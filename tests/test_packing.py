@@ -28,7 +28,7 @@ from mmrl.training.actor import Actor, build_actor
 from mmrl.training.critic import Critic, ValueModel
 from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
-from mmrl.training.packing import pack
+from mmrl.training.packing import PACKS_FROM_WIDTH, pack, packs_rows
 from mmrl.training.segments import Segment, SegmentPlan
 
 VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"]
@@ -301,6 +301,23 @@ def test_packing_under_gradient_checkpointing_on_a_cpu_says_it_is_slower(tiny_mo
         actor = build_actor(Config.model_validate(settings), model, pad_id, torch.float32)
     assert actor.cfg.padding_free
     assert [r.getMessage() for r in caplog.records if "dense mask" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_5"])
+def test_auto_packs_only_where_it_pays(tiny_family_dir, name: str) -> None:
+    """`actor.padding_free: auto` (the default) packs a model at least `PACKS_FROM_WIDTH` wide, not the tiny
+    test models (where packing is slower and every learning test's numbers were measured padded), not under
+    gradient checkpointing, and never a family that cannot pack; `true` and `false` are kept as set."""
+    model = load_policy(tiny_family_dir(name))
+    text = family_of(model).text_config
+    packs = family_of(model).packs_sequences
+    assert ActorConfig().padding_free == "auto"
+    assert text.hidden_size < PACKS_FROM_WIDTH and not packs_rows("auto", model)
+    assert packs_rows(True, model) and not packs_rows(False, model)
+    text.hidden_size = PACKS_FROM_WIDTH  # the rule reads the width from the config alone
+    assert packs_rows("auto", model) == packs
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not packs_rows("auto", model)
 
 
 def test_the_shared_prompt_steps_aside_where_it_would_not_be_exact(tiny_family_dir) -> None:

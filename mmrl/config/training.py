@@ -124,13 +124,14 @@ class ActorConfig(OptimSection):
         "padded tokens (rows x (longest prompt + longest response)), balanced by tokens across workers; "
         "the gradient is the same. Also the critic's",
     )
-    padding_free: bool = Field(
-        False,
+    padding_free: bool | Literal["auto"] = Field(
+        "auto",
         description="Actor, reference and critic forwards run each micro-batch's sequences packed into "
         "one, without padding, each group's prompt once before its responses, attention kept within each "
-        "sequence without an (N, N) mask; same log-probs. Pays where prompts are long and response "
-        "lengths vary (the update's forward 1.96x as fast at a 108.6M-parameter shape); on tiny models "
-        "per-call overhead makes it slower. Under gradient checkpointing transformers' dense mask is used",
+        "sequence without an (N, N) mask; same log-probs. Pays where compute decides a forward's time (the "
+        "update's forward 1.96x as fast at a 108.6M-parameter shape); on tiny models per-call overhead makes "
+        "it slower. auto: packed where the family packs, the language model is at least 512 wide and "
+        "gradient checkpointing is off (its re-run forward would need transformers' dense mask)",
     )
     policy_loss: str = "ppo_clip"
     rollout_correction: str | None = Field(

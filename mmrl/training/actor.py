@@ -26,6 +26,7 @@ from mmrl.models import family_of
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import TrainedModel, UpdatePlan, per_minibatch
+from mmrl.training.packing import packs_rows
 
 log = logging.getLogger("mmrl.training.actor")
 
@@ -52,6 +53,7 @@ class Actor(TrainedModel):
         self.temperature = temperature
         self.response_len = response_len
         self.compute_dtype = compute_dtype
+        self.padding_free = packs_rows(cfg.padding_free, model)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.rollout_correction = (
             get_rollout_correction(cfg.rollout_correction) if cfg.rollout_correction else None
@@ -71,7 +73,7 @@ class Actor(TrainedModel):
                 self.pad_id,
                 self.temperature,
                 compute_dtype=self.compute_dtype,
-                padding_free=self.cfg.padding_free,
+                padding_free=self.padding_free,
             )[0],
             layout if layout is not None else micro_layout(batch, self.cfg.max_tokens_per_micro_batch),
         )
@@ -87,7 +89,7 @@ class Actor(TrainedModel):
             with_entropy="grad" if cfg.entropy_coef else True,
             compute_dtype=self.compute_dtype,
             router_losses=router_losses,
-            padding_free=cfg.padding_free,
+            padding_free=self.padding_free,
         )
         device = logp.device
         mask = micro["response_mask"].to(device).float()
@@ -164,10 +166,10 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
             f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef}: {family.name} models have no "
             "experts to balance; set it to 0"
         )
-    if cfg.actor.padding_free and not family.packs_sequences:
+    if cfg.actor.padding_free is True and not family.packs_sequences:
         raise ConfigError(f"actor.padding_free: {family.name} models {family.why_unpacked}; set it to false")
     checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if cfg.actor.padding_free and checkpointing and next(model.parameters()).device.type == "cpu":
+    if cfg.actor.padding_free is True and checkpointing and next(model.parameters()).device.type == "cpu":
         log.warning(
             "actor.padding_free with gradient checkpointing on a CPU: the recomputed forward cannot run "
             "mmrl's per-sequence attention, so transformers keeps packed sequences apart with a dense mask "

@@ -7,7 +7,7 @@ response tokens), so values, rewards and advantages line up token for token.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from mmrl.training.actor import optimizer_steps
 from mmrl.training.forward import evaluate_rows, response_hidden
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, UpdatePlan, per_minibatch, plan_minibatches
+from mmrl.training.packing import packs_rows
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -91,14 +92,14 @@ class Critic(TrainedModel):
         micro_batch_size: int,
         compute_dtype: torch.dtype = torch.float32,
         max_tokens: int | None = None,
-        padding_free: bool = False,
+        padding_free: bool | Literal["auto"] = False,
     ) -> None:
         super().__init__(model, cfg, total_updates, micro_batch_size, max_tokens)
         self.cfg: CriticConfig = cfg
         self.pad_id = pad_id
         self.response_len = response_len
         self.compute_dtype = compute_dtype
-        self.padding_free = padding_free  # actor.padding_free: the critic's forward runs as the actor's
+        self.padding_free = packs_rows(padding_free, model)  # actor.padding_free: as the actor's forward
 
     def values(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
         """V of every response token under the current critic, 0 on padding; micro-batched by `layout`

@@ -19,14 +19,36 @@ block-diagonal mask on CPU, varlen flash attention on GPU); rows are then packed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from mmrl.models import family_of
 from mmrl.training.segments import Segment
 
 if TYPE_CHECKING:
     from mmrl.training.shared_prompt import Sharing
+
+
+# `actor.padding_free: auto` packs a model whose language model is at least this wide. One forward and
+# backward of a micro-batch (bench/packed_forward.py, one CPU thread, 2026-12-06): packed is 0.93x the
+# padded time on the quickstart's 128-wide model, where each attention call's overhead outweighs the
+# padding saved, and 1.03x on a 768-wide one even with 8-token responses (1.44-1.96x at 256 tokens).
+PACKS_FROM_WIDTH = 512
+
+
+def packs_rows(setting: bool | Literal["auto"], model: Any) -> bool:
+    """Whether forwards over `model` run packed (`actor.padding_free`): as set, or, for `auto`, where it
+    pays: a family whose rows can be packed, at least `PACKS_FROM_WIDTH` wide, without gradient
+    checkpointing (whose re-run forward keeps packed rows apart with a dense mask over the whole pack)."""
+    if setting != "auto":
+        return bool(setting)
+    family = family_of(model)
+    return (
+        family.packs_sequences
+        and not getattr(model, "is_gradient_checkpointing", False)
+        and family.text_config.hidden_size >= PACKS_FROM_WIDTH
+    )
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ temperature, as the reference's are, so π_φ = π_ref at the start gives every 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ from mmrl.training.actor import optimizer_steps, responses_per_prompt
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, per_minibatch, plan_minibatches
+from mmrl.training.packing import packs_rows
 from mmrl.training.setup import load_trainable
 
 
@@ -63,14 +64,14 @@ class ImplicitPRM(TrainedModel):
         micro_batch_size: int,
         compute_dtype: torch.dtype = torch.float32,
         max_tokens: int | None = None,
-        padding_free: bool = False,
+        padding_free: bool | Literal["auto"] = False,
     ) -> None:
         super().__init__(model, cfg, total_updates, micro_batch_size, max_tokens)
         self.cfg: PRMConfig = cfg
         self.pad_id = pad_id
         self.temperature = temperature
         self.compute_dtype = compute_dtype
-        self.padding_free = padding_free
+        self.padding_free = packs_rows(padding_free, model)
 
     def _logprobs(self, micro: Batch) -> torch.Tensor:
         return forward_logprobs(
