@@ -29,9 +29,9 @@ Then:
 `--shape realistic` swaps the tiny model for a random-init Qwen2.5-VL of the same family at 108.6 M
 parameters (language model 768 wide, 12 layers; vision tower 6.3 M, 256 wide, 4 layers), 448 px images
 (256 visual tokens), 2 prompts x n=8 with up to 256 new tokens, 3 steps, 2 repeats, lr 1e-6 and no
-format warm-up; it runs three systems, alternating: mmrl as configured by default (padded rows, each
-prompt computed once for its group), TRL, and mmrl packed (`actor.padding_free=true`: each prompt packed
-once before its responses). A random-init model's next-token distribution is near uniform, so it would end a
+format warm-up; it runs three systems, alternating: mmrl as configured by default (the rollout engine
+`auto`, vLLM where it is installed; `actor.padding_free: auto`, packed at this width: each prompt once before
+its responses), TRL, and mmrl on the HF engine (`mmrl-hf`). A random-init model's next-token distribution is near uniform, so it would end a
 response with probability 1/vocab per token and most responses would reach the cap; the
 `<|im_end|>` embedding row is scaled by `--eos-scale` (7; tied, so its logit's spread grows) to give
 a real spread of lengths, which each run reports (min / median / max over its samples). Gradient
@@ -76,10 +76,11 @@ from mmrl.run.logger import peak_rss_gb
 
 SYSTEMS = ("mmrl", "trl")
 # mmrl with its actor's padding removed (packed) or kept (padded, where each prompt runs once for its
-# group): `--systems mmrl,trl,mmrl-packed`, or `mmrl-padded` where `mmrl` is overridden to packing.
+# group), or on the HF engine: `--systems mmrl,trl,mmrl-packed`.
 VARIANTS = {
     "mmrl-padded": ("mmrl", ["actor.padding_free=false", "actor.max_tokens_per_micro_batch=null"]),
     "mmrl-packed": ("mmrl", ["actor.padding_free=true"]),
+    "mmrl-hf": ("mmrl", ["rollout.engine=hf"]),
 }
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -94,9 +95,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         "systems": "mmrl,trl",
         "mmrl_override": [],
     },
-    # 2 prompts x n=8 (the group people train with) at up to 256 new tokens: a step is 1.5-3 minutes per
-    # system on one CPU thread. mmrl as it runs by default (padded, each prompt once per group) against
-    # TRL, and mmrl packed (each prompt once, then its responses, attended segment by segment).
+    # 2 prompts x n=8 (the group people train with) at up to 256 new tokens: a step is 0.5-2 minutes per
+    # system on one CPU thread. mmrl as it runs by default (the engine `auto`, not the tiny quickstart's
+    # HF; packed at this width) against TRL, and mmrl on the HF engine.
     "realistic": {
         "batch": 2,
         "n": 8,
@@ -106,8 +107,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "repeats": 2,
         "lr": 1e-6,
         "warmup_steps": 0,
-        "systems": "mmrl,trl,mmrl-packed",
-        "mmrl_override": [],
+        "systems": "mmrl,trl,mmrl-hf",
+        "mmrl_override": ["rollout.engine=auto"],
     },
     # Qwen2.5-VL-3B's layer sizes on a GPU, bf16 compute over fp32 weights on both sides: 2 prompts x
     # n=8 at up to 256 new tokens. The tokenizer is still the tiny one (1,003 ids, not 151,936), so the
@@ -122,7 +123,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "lr": 1e-6,
         "warmup_steps": 0,
         "systems": "mmrl,trl",
-        "mmrl_override": ["actor.padding_free=true"],
+        "mmrl_override": [],
         "dtype": "bfloat16",
     },
 }

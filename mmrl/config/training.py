@@ -130,7 +130,7 @@ class ActorConfig(OptimSection):
         "one, without padding, each group's prompt once before its responses, attention kept within each "
         "sequence without an (N, N) mask; same log-probs. Pays where compute decides a forward's time (the "
         "update's forward 1.96x as fast at a 108.6M-parameter shape); on tiny models per-call overhead makes "
-        "it slower. auto: packed where the family packs, the language model is at least 512 wide and "
+        "it slower. auto: packed where the family packs, the language model is at least 256 wide and "
         "gradient checkpointing is off (its re-run forward would need transformers' dense mask)",
     )
     policy_loss: str = "ppo_clip"
