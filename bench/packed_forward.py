@@ -5,12 +5,17 @@ The update's work at `vs_trl.py`'s realistic shape (a random-init Qwen2.5-VL of 
 images: 256 visual tokens; 2 prompts x n=8 responses in one micro-batch), without sampling: the responses
 are random ordinary tokens of lengths set by `--lengths` (`cap`: all `--max-len` long, as most of
 `vs_trl.py`'s realistic responses are; `spread`: uniform from 8 to `--max-len`). Layouts alternate, each
-timed `--repeats` times after one untimed run; the table gives the median and the ratio to mmrl's default.
+timed `--repeats` times after one untimed run; the table gives the median and the speed against padded-shared
+(mmrl's padded layout; `actor.padding_free: auto` packs from 256 wide, `mmrl.training.packing`).
 
     .venv/bin/python bench/packed_forward.py --threads 1 --lengths spread --out /tmp/packed_forward.json
     .venv/bin/python bench/packed_forward.py --model tiny --image-size 112 --groups 8 --n 4 --max-len 8
 
 `--model tiny` is the quickstart's 0.7 M-parameter model, where per-call overhead, not compute, decides.
+`--text-width` sets the realistic model's language-model width (where `auto` starts packing):
+
+    .venv/bin/python bench/packed_forward.py --threads 1 --text-width 256 --image-size 112 --groups 8 --n 4 \
+        --max-len 8 --repeats 5 --layouts padded-shared,packed-shared
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from mmrl.training import forward
 from mmrl.training.forward import forward_logprobs
 
 # layout -> (padding_free, what the forward is patched with). padded: every response with its own copy of
-# its prompt; padded-shared: mmrl's default, each prompt once per group through a cache; packed-mask: rows
+# its prompt; padded-shared: mmrl's padded layout, each prompt once per group through a cache; packed-mask: rows
 # packed whole under transformers' own packed attention (a dense mask on CPU); packed: rows packed whole,
 # attention by segment; packed-shared: each prompt packed once before its responses, attention by segment.
 LAYOUTS: dict[str, tuple[bool, Callable[[Any], AbstractContextManager]]] = {
@@ -119,6 +124,9 @@ def main() -> None:
     parser.add_argument(
         "--model", choices=("realistic", "tiny"), default="realistic", help="tiny: the quickstart's model"
     )
+    parser.add_argument(
+        "--text-width", type=int, help="realistic model: its language model this wide (heads of 64, MLP 4x)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from the table's rows")
@@ -130,6 +138,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mmrl-packed-") as tmp:
         folder = Path(tmp) / "model"
         sizes = {"text": REALISTIC_TEXT, "vision": REALISTIC_VISION} if args.model == "realistic" else {}
+        if args.text_width and args.model == "realistic":
+            width = args.text_width
+            sizes = {
+                "text": REALISTIC_TEXT
+                | {"hidden_size": width, "intermediate_size": 4 * width}
+                | {"num_attention_heads": width // 64},
+                "vision": REALISTIC_VISION | {"out_hidden_size": width},
+            }
         build_tiny(folder, max_pixels=args.image_size**2, **sizes)
         model = load_policy(folder).train()
         pad_id = load_processor(folder).tokenizer.pad_token_id
@@ -144,11 +160,11 @@ def main() -> None:
     print(
         f"{args.groups} prompts x n={args.n}, {tokens} response tokens ({args.lengths}), {torch.get_num_threads()} threads"
     )
-    print(f"{'layout':<16}{'seconds':>9}{'vs default':>12}")
+    print(f"{'layout':<16}{'seconds':>9}{'speed vs padded-shared':>24}")
     base = median(seconds[DEFAULT]) if DEFAULT in seconds else None
     for layout in layouts:
         s = median(seconds[layout])
-        print(f"{layout:<16}{s:>9.2f}{(base / s if base else float('nan')):>11.2f}x")
+        print(f"{layout:<16}{s:>9.2f}{(base / s if base else float('nan')):>23.2f}x")
     write_result(
         args.out, {"machine": machine(), "args": vars(args) | {"out": str(args.out)}, "seconds": seconds}
     )

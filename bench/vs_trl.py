@@ -185,7 +185,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems", default=None, help=f"comma-separated, alternating: {SYSTEMS + tuple(VARIANTS)}"
     )
     p.add_argument(
-        "--mmrl-override", action="append", default=None, help="extra mmrl config override (repeatable)"
+        "--mmrl-override",
+        action="append",
+        default=None,
+        help="mmrl config override after the shape's (repeatable)",
     )
     p.add_argument("--eos-scale", type=float, default=7.0, help="realistic shape: <|im_end|> row scale")
     p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
@@ -204,9 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.mmrl_added = args.mmrl_override or []  # after the shape's own (the realistic shape's engine, say)
+    args.mmrl_override = None
     for key, value in {"dtype": "float32", **SHAPES[args.shape]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.mmrl_override = [*args.mmrl_override, *args.mmrl_added]
     args.systems = args.systems.split(",") if isinstance(args.systems, str) else args.systems
     unknown = set(args.systems) - set(SYSTEMS) - set(VARIANTS)
     if unknown or not {"mmrl", "trl"} <= set(args.systems):
@@ -698,7 +704,7 @@ def launch(args: argparse.Namespace, system: str, root: Path, index: int) -> dic
                 "threads",
             )
         ),
-        *(f"--mmrl-override={o}" for o in args.mmrl_override),
+        *(f"--mmrl-override={o}" for o in args.mmrl_added),  # the child adds its shape's own again
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
     load_before = load_average()

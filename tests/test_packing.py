@@ -28,7 +28,7 @@ from mmrl.training.actor import Actor, build_actor
 from mmrl.training.critic import Critic, ValueModel
 from mmrl.training.forward import forward_logprobs
 from mmrl.training.optim import plan_minibatches
-from mmrl.training.packing import PACKS_FROM_WIDTH, pack, packs_rows
+from mmrl.training.packing import PACKS_FROM_WIDTH, pack, runs_packed
 from mmrl.training.segments import Segment, SegmentPlan
 
 VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"]
@@ -312,12 +312,12 @@ def test_auto_packs_only_where_it_pays(tiny_family_dir, name: str) -> None:
     text = family_of(model).text_config
     packs = family_of(model).packs_sequences
     assert ActorConfig().padding_free == "auto"
-    assert text.hidden_size < PACKS_FROM_WIDTH and not packs_rows("auto", model)
-    assert packs_rows(True, model) and not packs_rows(False, model)
+    assert text.hidden_size < PACKS_FROM_WIDTH and not runs_packed("auto", model)
+    assert runs_packed(True, model) and not runs_packed(False, model)
     text.hidden_size = PACKS_FROM_WIDTH  # the rule reads the width from the config alone
-    assert packs_rows("auto", model) == packs
+    assert runs_packed("auto", model) == packs
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert not packs_rows("auto", model)
+    assert not runs_packed("auto", model)
 
 
 def test_the_shared_prompt_steps_aside_where_it_would_not_be_exact(tiny_family_dir) -> None:

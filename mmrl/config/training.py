@@ -126,12 +126,13 @@ class ActorConfig(OptimSection):
     )
     padding_free: bool | Literal["auto"] = Field(
         "auto",
-        description="Actor, reference and critic forwards run each micro-batch's sequences packed into "
+        description="Actor, reference, critic and PRM forwards run each micro-batch's sequences packed into "
         "one, without padding, each group's prompt once before its responses, attention kept within each "
         "sequence without an (N, N) mask; same log-probs. Pays where compute decides a forward's time (the "
         "update's forward 1.96x as fast at a 108.6M-parameter shape); on tiny models per-call overhead makes "
-        "it slower. auto: packed where the family packs, the language model is at least 256 wide and "
-        "gradient checkpointing is off (its re-run forward would need transformers' dense mask)",
+        "it slower. auto, resolved for each model: packed where its family packs, its language model is at "
+        "least 256 wide and gradient checkpointing is off (its re-run forward would need transformers' dense "
+        "mask); true refuses a family that cannot pack",
     )
     policy_loss: str = "ppo_clip"
     rollout_correction: str | None = Field(

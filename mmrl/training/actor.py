@@ -26,7 +26,7 @@ from mmrl.models import family_of
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import TrainedModel, UpdatePlan, per_minibatch
-from mmrl.training.packing import packs_rows
+from mmrl.training.packing import runs_packed
 
 log = logging.getLogger("mmrl.training.actor")
 
@@ -53,7 +53,7 @@ class Actor(TrainedModel):
         self.temperature = temperature
         self.response_len = response_len
         self.compute_dtype = compute_dtype
-        self.padding_free = packs_rows(cfg.padding_free, model)
+        self.padding_free = runs_packed(cfg.padding_free, model)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.rollout_correction = (
             get_rollout_correction(cfg.rollout_correction) if cfg.rollout_correction else None
@@ -167,7 +167,9 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
             "experts to balance; set it to 0"
         )
     if cfg.actor.padding_free is True and not family.packs_sequences:
-        raise ConfigError(f"actor.padding_free: {family.name} models {family.why_unpacked}; set it to false")
+        raise ConfigError(
+            f"actor.padding_free: {family.name} models {family.why_unpacked}; set it to false or auto"
+        )
     checkpointing = getattr(model, "is_gradient_checkpointing", False)
     if cfg.actor.padding_free is True and checkpointing and next(model.parameters()).device.type == "cpu":
         log.warning(
@@ -176,7 +178,7 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
             "over the whole pack, which costs more than the padding it saves (0.60x the padded update at a "
             "108M-parameter shape, docs/benchmarks.md); turn one of them off"
         )
-    return Actor(
+    actor = Actor(
         model,
         cfg.actor,
         pad_id,
@@ -185,6 +187,14 @@ def build_actor(cfg: Config, model: Any, pad_id: int, compute_dtype: torch.dtype
         total_updates=optimizer_steps(cfg, cfg.actor.ppo_epochs),
         compute_dtype=compute_dtype,
     )
+    if cfg.actor.padding_free == "auto":
+        log.info(
+            "actor.padding_free=auto: %s (%s, language model %d wide)",
+            "packed" if actor.padding_free else "padded",
+            family.name,
+            family.text_config.hidden_size,
+        )
+    return actor
 
 
 def needs_reference(cfg: Config) -> bool:

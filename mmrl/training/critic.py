@@ -20,7 +20,7 @@ from mmrl.training.actor import optimizer_steps
 from mmrl.training.forward import evaluate_rows, response_hidden
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, UpdatePlan, per_minibatch, plan_minibatches
-from mmrl.training.packing import packs_rows
+from mmrl.training.packing import runs_packed
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -99,7 +99,7 @@ class Critic(TrainedModel):
         self.pad_id = pad_id
         self.response_len = response_len
         self.compute_dtype = compute_dtype
-        self.padding_free = packs_rows(padding_free, model)  # actor.padding_free: as the actor's forward
+        self.padding_free = runs_packed(padding_free, model)  # actor.padding_free, resolved for this model
 
     def values(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
         """V of every response token under the current critic, 0 on padding; micro-batched by `layout`

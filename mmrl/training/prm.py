@@ -28,7 +28,7 @@ from mmrl.training.actor import optimizer_steps, responses_per_prompt
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, per_minibatch, plan_minibatches
-from mmrl.training.packing import packs_rows
+from mmrl.training.packing import runs_packed
 from mmrl.training.setup import load_trainable
 
 
@@ -71,7 +71,7 @@ class ImplicitPRM(TrainedModel):
         self.pad_id = pad_id
         self.temperature = temperature
         self.compute_dtype = compute_dtype
-        self.padding_free = packs_rows(padding_free, model)
+        self.padding_free = runs_packed(padding_free, model)
 
     def _logprobs(self, micro: Batch) -> torch.Tensor:
         return forward_logprobs(

@@ -9,9 +9,9 @@ half-written folder behind.
 
 Memory: 50 steps of the quickstart recipe in a child process, reading the trainer's `memory/rss_gb`
 (current resident set size from /proc/self/statm) every step. From step 10 (allocator pools and
-caches warmed up, validation already run once before step 1) to step 50, the least-squares trend of
-RSS may rise by at most `RSS_GROWTH_BOUND_MB`; the window includes the validation pass and gallery
-of step 25.
+caches warmed up, validation already run once before step 1) to step 50, the least reading of steps
+41-50 may exceed that of steps 11-20 by at most `RSS_GROWTH_BOUND_MB`; between them lie the validation
+pass and gallery of step 25.
 """
 
 from __future__ import annotations
