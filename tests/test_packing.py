@@ -316,6 +316,10 @@ def test_auto_packs_only_where_it_pays(tiny_family_dir, name: str) -> None:
     assert runs_packed(True, model) and not runs_packed(False, model)
     text.hidden_size = PACKS_FROM_WIDTH  # the rule reads the width from the config alone
     assert runs_packed("auto", model) == packs
+    # the actor (and with it the reference) and the critic resolve the default for their own model
+    actor = Actor(model, ActorConfig(), 0, temperature=1.0, response_len=8, total_updates=1)
+    critic = Critic(ValueModel(model), CriticConfig(), 0, 8, 1, 4, padding_free="auto")
+    assert actor.padding_free == critic.padding_free == packs
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert not runs_packed("auto", model)
 
