@@ -8,9 +8,12 @@ from unittest import mock
 import pytest
 import torch
 from helpers import mixed_prompts
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mmrl.models import family_of, load_policy, load_processor
+from mmrl.models.cpu_attention import FP32_SDPA, sdpa_in_fp32
 from mmrl.rollout import HFEngine, SamplingParams
+from mmrl.rollout import hf as hf_engine
 from mmrl.training.forward import forward_logprobs
 
 
@@ -144,3 +147,50 @@ def test_prompts_that_start_with_one_tool_schema_prefill_it_once_and_sample_as_g
         theirs = engine.generate(prompts, params)
     assert torch.equal(ours["response_ids"], theirs["response_ids"])
     assert (ours["rollout_logprobs"] - theirs["rollout_logprobs"]).abs().max() < 1e-5
+
+
+def test_decoding_in_bf16_on_a_cpu_attends_in_fp32(engine, monkeypatch) -> None:
+    """CPU flash attention is several times slower in bf16 than in fp32 for one query per row, so the HF
+    engine's bf16 decoding attends in fp32 (`mmrl.models.cpu_attention`): inside `generate` only, and
+    with the same tokens and log-probs as transformers' SDPA wherever the inputs are fp32 already."""
+    language_model = family_of(engine.model).language_model(engine.model)
+    seen = []
+    real = hf_engine.sample_groups
+
+    def recording(*args, **kwargs):
+        seen.append(language_model.config._attn_implementation)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_engine, "sample_groups", recording)
+    prompts = mixed_prompts(load_processor_of(engine))
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, logprobs=True)
+    bf16 = HFEngine(engine.model, load_processor_of(engine), torch.bfloat16)
+    assert len(bf16.generate(prompts, params)) == 8
+    plain = engine.generate(prompts, params)
+    assert seen == [FP32_SDPA, "sdpa"] and language_model.config._attn_implementation == "sdpa"
+    # The fp32 attention passes masks (left padding, text-only rows) and grouped keys through unchanged.
+    language_model.config._attn_implementation = FP32_SDPA
+    try:
+        forced = engine.generate(prompts, params)
+    finally:
+        language_model.config._attn_implementation = "sdpa"
+    assert torch.equal(forced["response_ids"], plain["response_ids"])
+    assert torch.equal(forced["rollout_logprobs"], plain["rollout_logprobs"])
+
+
+def test_fp32_attention_equals_sdpa_on_fp32_copies(engine) -> None:
+    """bf16 in, bf16 out, and in between exactly transformers' SDPA on the inputs cast to fp32, grouped keys
+    and a padding mask included."""
+    attention = family_of(engine.model).language_model(engine.model).layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
+    q = torch.randn(2, heads, 5, attention.head_dim, generator=gen).bfloat16()
+    k, v = (torch.randn(2, kv_heads, 5, attention.head_dim, generator=gen).bfloat16() for _ in range(2))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    mask[0, ..., :2] = False  # row 0 is left-padded by two
+    out, _ = sdpa_in_fp32(attention, q, k, v, mask, scaling=attention.scaling)
+    want, _ = sdpa_attention_forward(
+        attention, q.float(), k.float(), v.float(), mask, scaling=attention.scaling
+    )
+    assert out.dtype == torch.bfloat16 and kv_heads < heads
+    assert torch.equal(out, want.bfloat16())

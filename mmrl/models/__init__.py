@@ -26,6 +26,7 @@ from mmrl.models.action_head import (
     head_spec,
     load_head_weights,
 )
+from mmrl.models.cpu_attention import fp32_attention_on_cpu
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
 from mmrl.models.loading import (
     ACTION_TOKENS,
@@ -60,6 +61,7 @@ __all__ = [
     "build_tiny",
     "build_tokenizer",
     "family_of",
+    "fp32_attention_on_cpu",
     "head_spec",
     "load_config",
     "load_head_weights",

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 from mmrl.algorithms import block_tokens, logprobs_from_logits
 from mmrl.data.batch import Batch, left_pad
 from mmrl.data.sample import PromptSample, vision_inputs
-from mmrl.models import autocast_for, family_of, never_generated_ids, tokenizer_of
+from mmrl.models import autocast_for, family_of, fp32_attention_on_cpu, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
 from mmrl.rollout.decode import sample_groups
 
@@ -54,10 +54,15 @@ class HFEngine(GeneratesAtOnce):
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
         was_training = self.model.training
         self.model.eval()
-        with autocast_for(self.model, self.compute_dtype):
+        family = family_of(self.model)
+        language_model = family.language_model(self.model)
+        with (
+            autocast_for(self.model, self.compute_dtype),
+            fp32_attention_on_cpu(language_model, self.compute_dtype),
+        ):
             # An FSDP group must step together (`synced_gpus`), and a recurrent family's state is not
             # keys and values: both keep transformers' own loop.
-            if family_of(self.model).prefix_cache and not self.synced_gpus:
+            if family.prefix_cache and not self.synced_gpus:
                 response, logps = sample_groups(
                     self.model, prompts, params, stop, self.blocked, self.tokenizer.pad_token_id
                 )
