@@ -10,10 +10,9 @@ import torch
 from helpers import mixed_prompts
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mmrl.models import family_of, load_policy, load_processor
+from mmrl.models import cpu_attention, family_of, load_policy, load_processor
 from mmrl.models.cpu_attention import FP32_SDPA, sdpa_in_fp32
 from mmrl.rollout import HFEngine, SamplingParams
-from mmrl.rollout import hf as hf_engine
 from mmrl.training.forward import forward_logprobs
 
 
@@ -151,36 +150,42 @@ def test_prompts_that_start_with_one_tool_schema_prefill_it_once_and_sample_as_g
 
 def test_decoding_in_bf16_on_a_cpu_attends_in_fp32(engine, monkeypatch) -> None:
     """CPU flash attention is several times slower in bf16 than in fp32 for one query per row, so the HF
-    engine's bf16 decoding attends in fp32 (`mmrl.models.cpu_attention`): inside `generate` only, and
-    with the same tokens and log-probs as transformers' SDPA wherever the inputs are fp32 already."""
+    engine samples under bf16 autocast with its language model attending in fp32 (`mmrl.models.cpu_attention`):
+    every attention call, with autocast off, only inside `generate`; and with the same tokens and log-probs
+    as transformers' SDPA wherever the inputs are fp32 already."""
     language_model = family_of(engine.model).language_model(engine.model)
-    seen = []
-    real = hf_engine.sample_groups
+    calls = []
+    real = cpu_attention.sdpa_attention_forward
 
-    def recording(*args, **kwargs):
-        seen.append(language_model.config._attn_implementation)
-        return real(*args, **kwargs)
+    def inner(module, query, key, value, *args, **kwargs):
+        calls.append((torch.is_autocast_enabled("cpu"), query.dtype, key.dtype, value.dtype))
+        return real(module, query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(hf_engine, "sample_groups", recording)
+    monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", inner)
     prompts = mixed_prompts(load_processor_of(engine))
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, logprobs=True)
     bf16 = HFEngine(engine.model, load_processor_of(engine), torch.bfloat16)
     assert len(bf16.generate(prompts, params)) == 8
-    plain = engine.generate(prompts, params)
-    assert seen == [FP32_SDPA, "sdpa"] and language_model.config._attn_implementation == "sdpa"
+    layers = engine.model.config.get_text_config().num_hidden_layers
+    assert len(calls) >= layers * 6, "every layer of the prefill and of each decode step"
+    assert set(calls) == {(False, torch.float32, torch.float32, torch.float32)}
+    assert language_model.config._attn_implementation == "sdpa"
+    calls.clear()
+    plain = engine.generate(prompts, params)  # fp32: transformers' own SDPA
+    assert not calls
     # The fp32 attention passes masks (left padding, text-only rows) and grouped keys through unchanged.
     language_model.config._attn_implementation = FP32_SDPA
     try:
         forced = engine.generate(prompts, params)
     finally:
         language_model.config._attn_implementation = "sdpa"
-    assert torch.equal(forced["response_ids"], plain["response_ids"])
+    assert calls and torch.equal(forced["response_ids"], plain["response_ids"])
     assert torch.equal(forced["rollout_logprobs"], plain["rollout_logprobs"])
 
 
 def test_fp32_attention_equals_sdpa_on_fp32_copies(engine) -> None:
-    """bf16 in, bf16 out, and in between exactly transformers' SDPA on the inputs cast to fp32, grouped keys
-    and a padding mask included."""
+    """bf16 in, bf16 out under bf16 autocast, and in between exactly transformers' SDPA on the inputs cast to
+    fp32 (autocast would run it in bf16), grouped keys and a padding mask included."""
     attention = family_of(engine.model).language_model(engine.model).layers[0].self_attn
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
@@ -188,9 +193,11 @@ def test_fp32_attention_equals_sdpa_on_fp32_copies(engine) -> None:
     k, v = (torch.randn(2, kv_heads, 5, attention.head_dim, generator=gen).bfloat16() for _ in range(2))
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
     mask[0, ..., :2] = False  # row 0 is left-padded by two
-    out, _ = sdpa_in_fp32(attention, q, k, v, mask, scaling=attention.scaling)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = sdpa_in_fp32(attention, q, k, v, mask, scaling=attention.scaling)
+        in_bf16, _ = sdpa_attention_forward(attention, q, k, v, mask, scaling=attention.scaling)
     want, _ = sdpa_attention_forward(
         attention, q.float(), k.float(), v.float(), mask, scaling=attention.scaling
     )
     assert out.dtype == torch.bfloat16 and kv_heads < heads
-    assert torch.equal(out, want.bfloat16())
+    assert torch.equal(out, want.bfloat16()) and not torch.equal(out, in_bf16)

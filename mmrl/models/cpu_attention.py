@@ -1,11 +1,16 @@
-"""Attention in fp32 while a CPU decodes under bf16 autocast (the HF engine, `model.dtype` bf16).
+"""Attention in fp32 while the HF engine samples on a CPU under bf16 (or fp16) autocast.
 
 PyTorch's CPU flash attention is several times slower in bf16 than in fp32 for one query per row, which
 is every decode step: 16 rows over 300-550 cached keys, 12 heads of 64 (2 for keys and values), one thread,
 took 6.3-11.5 ms in bf16 and 1.2-1.7 ms in fp32 (2026-12-06, AMD EPYC with AVX-512 BF16). At training
-lengths the two are within 5-10%. So while the HF engine samples on a CPU, each attention call casts its
-query, keys and values up, attends in fp32, and casts the result back; every matmul around it stays in the
-autocast dtype. The trainer's forwards keep transformers' own attention.
+lengths the two are within 5-10%. So while the HF engine samples on a CPU (prefill and decode), each
+attention call of the language model runs with autocast off on fp32 copies of its query, keys and values,
+and returns in the query's dtype; every matmul around it stays in the autocast dtype, and the vision tower
+and the trainer's forwards keep transformers' own attention. The engine's log-probs then differ from the
+trainer's bf16 forward by the attention's rounding (6e-4 to 1.6e-3 over two quickstart steps).
+
+The switch is the language model's config, shared by every forward: no forward of the same model may run
+concurrently with a sampling call (none does: the trainer and its in-process engine take turns).
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ def sdpa_in_fp32(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention on fp32 copies of its inputs; the output in the query's dtype."""
+    """transformers' SDPA attention on fp32 copies of its inputs; the output in the query's dtype. Where the
+    inputs are not on a CPU (parameters offloaded to the CPU, compute on a GPU), SDPA as it is."""
+    if query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
     with torch.autocast(query.device.type, enabled=False):
@@ -46,12 +54,11 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(FP32_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["s
 
 @contextmanager
 def fp32_attention_on_cpu(language_model: torch.nn.Module, compute_dtype: torch.dtype) -> Iterator[None]:
-    """Inside the block, `language_model` attends in fp32 where it runs SDPA on a CPU in a lower
-    precision; elsewhere (a GPU, fp32, another attention) nothing changes."""
+    """Inside the block, `language_model` attends in fp32 where it runs SDPA in a lower precision and its
+    inputs are on a CPU (`sdpa_in_fp32` checks each call); with fp32 or another attention nothing changes."""
     config = language_model.config
     before = config._attn_implementation
-    device = next(language_model.parameters()).device
-    if device.type != "cpu" or compute_dtype == torch.float32 or before != "sdpa":
+    if compute_dtype == torch.float32 or before != "sdpa":
         yield
         return
     config._attn_implementation = FP32_SDPA

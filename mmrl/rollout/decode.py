@@ -6,7 +6,8 @@ row's end. Here the text all prompts start with is prefilled once, each prompt's
 (`mmrl.training.shared_prompt.prompt_states`), their keys and values gathered for the n responses of
 each, and each step decodes only the rows that have not stopped. The
 forward is the trainer's (`Family.hidden_states`, with the same position ids), so the tokens are
-sampled from exactly the distribution the trainer scores them under.
+sampled from exactly the distribution the trainer scores them under (on a CPU under bf16 autocast, up to
+the rounding of the attention the engine runs in fp32: `mmrl.models.cpu_attention`).
 """
 
 from __future__ import annotations
