@@ -53,10 +53,11 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(FP32_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["s
 
 
 @contextmanager
-def fp32_attention_on_cpu(language_model: torch.nn.Module, compute_dtype: torch.dtype) -> Iterator[None]:
-    """Inside the block, `language_model` attends in fp32 where it runs SDPA in a lower precision and its
-    inputs are on a CPU (`sdpa_in_fp32` checks each call); with fp32 or another attention nothing changes."""
-    config = language_model.config
+def fp32_attention_on_cpu(model: Any, compute_dtype: torch.dtype) -> Iterator[None]:
+    """Inside the block, `model`'s language model attends in fp32 where it runs SDPA in a lower precision
+    and its inputs are on a CPU (`sdpa_in_fp32` checks each call); with fp32 or another attention nothing
+    changes. The switch is the text config, which the language model's layers and masks read."""
+    config = model.config.get_text_config()
     before = config._attn_implementation
     if compute_dtype == torch.float32 or before != "sdpa":
         yield

@@ -55,10 +55,9 @@ class HFEngine(GeneratesAtOnce):
         was_training = self.model.training
         self.model.eval()
         family = family_of(self.model)
-        language_model = family.language_model(self.model)
         with (
             autocast_for(self.model, self.compute_dtype),
-            fp32_attention_on_cpu(language_model, self.compute_dtype),
+            fp32_attention_on_cpu(self.model, self.compute_dtype),
         ):
             # An FSDP group must step together (`synced_gpus`), and a recurrent family's state is not
             # keys and values: both keep transformers' own loop.
