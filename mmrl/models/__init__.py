@@ -31,6 +31,7 @@ from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, fa
 from mmrl.models.loading import (
     ACTION_TOKENS,
     SHARDED_MARKER,
+    attention_implementation,
     autocast_for,
     load_config,
     load_policy,
@@ -57,6 +58,7 @@ __all__ = [
     "UnsupportedModelError",
     "action_head_of",
     "attach_action_head",
+    "attention_implementation",
     "autocast_for",
     "build_tiny",
     "build_tokenizer",

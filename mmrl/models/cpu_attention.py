@@ -15,14 +15,15 @@ concurrently with a sampling call (none does: the trainer and its in-process eng
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from mmrl.models.loading import attention_implementation
 
 FP32_SDPA = "mmrl_sdpa_fp32"
 
@@ -52,18 +53,11 @@ AttentionInterface.register(FP32_SDPA, sdpa_in_fp32)
 ALL_MASK_ATTENTION_FUNCTIONS.register(FP32_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # SDPA's masks
 
 
-@contextmanager
-def fp32_attention_on_cpu(model: Any, compute_dtype: torch.dtype) -> Iterator[None]:
+def fp32_attention_on_cpu(model: Any, compute_dtype: torch.dtype) -> AbstractContextManager:
     """Inside the block, `model`'s language model attends in fp32 where it runs SDPA in a lower precision
     and its inputs are on a CPU (`sdpa_in_fp32` checks each call); with fp32 or another attention nothing
     changes. The switch is the text config, which the language model's layers and masks read."""
     config = model.config.get_text_config()
-    before = config._attn_implementation
-    if compute_dtype == torch.float32 or before != "sdpa":
-        yield
-        return
-    config._attn_implementation = FP32_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    if compute_dtype == torch.float32 or config._attn_implementation != "sdpa":
+        return nullcontext()
+    return attention_implementation(config, FP32_SDPA)

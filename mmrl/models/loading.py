@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,18 @@ def autocast_for(model: Any, dtype: torch.dtype) -> AbstractContextManager:
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+@contextmanager
+def attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """The layers reading `config` attend with transformers' registered implementation `name` inside the
+    block, and as before after it (mmrl's per-segment and fp32 attentions are switched on this way)."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def save_model(model: Any, processor: Any, out: str | Path) -> Path:

@@ -32,11 +32,10 @@ if TYPE_CHECKING:
 
 # `actor.padding_free: auto` packs a model whose language model is at least this wide. One forward and
 # backward of a micro-batch, packed (each prompt once) against padded with the shared prompt, as speed
-# (bench/packed_forward.py, one CPU thread, 2026-12-06): packed is 0.93x as fast on the quickstart's
-# 128-wide model, where each attention call's
-# overhead outweighs the padding saved; with the realistic shape's 12 layers, at responses of up to 8
-# tokens 1.02x at 256 wide, 1.03x at 512 and 768; at
-# up to 64 tokens 1.35x at 256 wide and 1.56x at 512 (1.29-1.96x at 768 with 448 px images).
+# (bench/packed_forward.py, one CPU thread, 2026-12-06): 0.93x on the quickstart's 128-wide model, where
+# each attention call's overhead outweighs the padding saved; with the realistic shape's 12 layers, at
+# responses of up to 8 tokens 1.02x at 256 wide and 1.03x at 512 and 768; at up to 64 tokens 1.35x at 256
+# wide and 1.56x at 512 (1.29-1.96x at 768 with 448 px images).
 PACKS_FROM_WIDTH = 256
 
 

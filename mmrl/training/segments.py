@@ -14,8 +14,8 @@ argument of the model's forward (`PLAN`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from mmrl.models import attention_implementation
 
 IMPLEMENTATION = "mmrl_segments"
 PLAN = "mmrl_segments"  # the forward keyword that carries the `SegmentPlan` down to each layer
@@ -139,14 +141,7 @@ AttentionInterface.register(IMPLEMENTATION, _segment_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, _no_mask)
 
 
-@contextmanager
-def segment_attention(language_model: torch.nn.Module) -> Iterator[None]:
+def segment_attention(language_model: torch.nn.Module) -> AbstractContextManager:
     """`language_model` attends by segment plan inside the block, and as before after it. (The vision
     tower keeps its own attention: media are encoded before the packed forward.)"""
-    config = language_model.config
-    before = config._attn_implementation
-    config._attn_implementation = IMPLEMENTATION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    return attention_implementation(language_model.config, IMPLEMENTATION)
