@@ -340,10 +340,22 @@ AGG_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # row 2 is all paddi
         ("seq-mean-token-sum-norm", {"horizon": 4}, 1.25),  # (6/4 + 4/4) / 2
         ("token-mean", {"num_tokens": 8}, 1.25),  # 10 / 8
         ("seq-mean-token-mean", {"num_seqs": 4}, 1.5),  # (2 + 4) / 4
+        ("seq-mean-turn-mean", {}, 3.0),  # one turn a row: seq-mean-token-mean's
     ],
 )
 def test_agg_loss_by_hand(mode: str, kwargs: dict, expected: float) -> None:
     close(agg_loss(VALUES, AGG_MASK, mode, **kwargs), expected)
+
+
+def test_turn_mean_weighs_each_turn_of_a_trajectory_alike() -> None:
+    """An agent's rows: a call, a masked tool reply, an answer. Row 0 has turns (1, 2) and (5): (1.5 + 5) / 2;
+    row 1 turns (8, 9, 10) and (12): (9 + 12) / 2; the padding and the replies (PAD) never leak in."""
+    values = torch.tensor([[1.0, 2.0, PAD, PAD, 5.0, PAD], [PAD, 8.0, 9.0, 10.0, PAD, 12.0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [0, 1, 1, 1, 0, 1]])
+    close(agg_loss(values, mask, "seq-mean-turn-mean"), (3.25 + 10.5) / 2)
+    close(agg_loss(values, mask, "seq-mean-turn-mean", num_seqs=4), (3.25 + 10.5) / 4)
+    # per token within each row, row 1's 3-token call outweighs its 1-token answer 3 to 1
+    close(agg_loss(values, mask, "seq-mean-token-mean"), (8 / 3 + 39 / 4) / 2)
 
 
 def test_agg_loss_rejects_bad_input() -> None:

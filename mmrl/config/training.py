@@ -97,7 +97,9 @@ class AlgorithmConfig(Section):
         }
 
 
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-turn-mean"
+]
 
 
 class OptimSection(Section):
