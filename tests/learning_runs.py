@@ -8,18 +8,15 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from forked import run_python
 
 from mmrl.data.synthetic import COLOURS, generate
 from mmrl.data.synthetic_video import generate_video
@@ -279,68 +276,13 @@ def train(
     # A fresh process, as `bench/learning_spread.py` runs it: an RL run turns any last-bit difference into
     # another trajectory, and state that earlier tests leave in the test process (a kernel chosen, a
     # library's patch) would make the suite's run differ from the one the threshold was measured on.
+    # Forked from a process that has only imported the training stack (`forked.py`), it starts as a fresh
+    # interpreter does, without the imports' 6 s.
     log = root / "train.log"
     root.mkdir(parents=True, exist_ok=True)
-    code = _fresh_process(args, log)
+    code = run_python(["-m", "mmrl.cli", *args], log).wait()
     assert code == 0, f"mmrl train exited with {code}:\n{log.read_text()[-4000:]}"
     return read_metrics(out / "metrics.jsonl")
-
-
-# What `mmrl train` imports (about 6 s of CPU on these VMs), loaded once by a server that forks each run
-# from itself: the run starts where a fresh interpreter stands after these imports, which only define.
-_TRAINING_STACK = ("mmrl.cli", "mmrl.trainer", "mmrl.data.loaders", "datasets", "matplotlib.pyplot", "ray")
-_server: subprocess.Popen[str] | None = None
-
-
-def _fresh_process(args: list[str], log: Path) -> int:
-    """`mmrl` with `args` in a new process forked from the server (started at the first run), its output
-    to `log`; its exit code. A run cut short here (a test's timeout) takes the server and its run down
-    with it, so no later run reads its answer."""
-    global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen(
-            [sys.executable, __file__],
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # its own process group, which its runs join
-        )
-    assert _server.stdin is not None and _server.stdout is not None
-    try:
-        _server.stdin.write(json.dumps([args, str(log)]) + "\n")
-        _server.stdin.flush()
-        answer = _server.stdout.readline()
-    except BaseException:
-        os.killpg(_server.pid, signal.SIGKILL)
-        _server = None
-        raise
-    assert answer, f"the run server (tests/learning_runs.py) exited with {_server.wait()}: see its stderr"
-    return int(answer)
-
-
-def _serve() -> None:
-    """Import the training stack, then fork a child per request line, answering with its exit code."""
-    for module in _TRAINING_STACK:
-        importlib.import_module(module)
-    for line in sys.stdin:
-        args, log = json.loads(line)
-        child = os.fork()
-        if child == 0:
-            _cli(args, Path(log))
-        print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
-
-
-def _cli(args: list[str], log: Path) -> None:
-    """In the forked child: `mmrl` with `args`, its output to `log`, as its own process to the end."""
-    from mmrl.cli import main
-
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    with log.open("w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-    sys.exit(main(args))  # the interpreter's own exit: atexit hooks run (a Ray cluster the run started stops)
 
 
 # Each task's data, rendered once per process: every task is seeded, and no run writes to its data.
@@ -423,7 +365,3 @@ def rise(run: LearningRun, records: list[dict[str, Any]]) -> tuple[int, float, f
     stopped = run.val_every is not None and run.gain(first, last) >= run.min_gain
     assert last_step == run.steps or stopped, f"the run ended at step {last_step} of {run.steps}: {val}"
     return last_step, first, last
-
-
-if __name__ == "__main__":
-    _serve()

@@ -2,7 +2,8 @@
 can be killed, and reading back what a run left on disk.
 
 Runs that must be killed (SIGKILL) or measured from the inside go through `python -m mmrl.cli` in a
-child process; the others call `mmrl.cli.main` in-process, which skips a ~10 s interpreter start.
+child process, forked from one that has imported the training stack; the others call `mmrl.cli.main`
+in-process.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from forked import Child, run_python
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,24 +65,17 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start(argv: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `python argv...` in the repository with output to `log` (a pipe nobody reads could fill
-    up and stall the child)."""
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, *argv],
-            cwd=REPO,
-            env={**child_env(), **(extra_env or {})},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+def start(argv: list[str], log: Path, extra_env: dict[str, str] | None = None) -> Child:
+    """`python argv...` in the repository with output to `log`, as a child forked from a process that
+    has imported the training stack (`forked.py`): it runs, and dies, as a fresh one would."""
+    return run_python(argv, log, {**child_env(), **(extra_env or {})})
 
 
 def train_argv(args: list[str]) -> list[str]:
     return ["-m", "mmrl.cli", "train", CONFIG, *args]
 
 
-def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> int:
+def finish(proc: Child, log: Path, timeout: float = 240) -> int:
     """Wait for a child and return its exit code; on a timeout kill it and fail with its log."""
     try:
         return proc.wait(timeout=timeout)
@@ -91,9 +85,7 @@ def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> in
         raise AssertionError(f"child did not finish in {timeout:g}s; its log:\n{log.read_text()}") from None
 
 
-def wait_until(
-    condition: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout: float = 240
-) -> None:
+def wait_until(condition: Callable[[], bool], proc: Child, log: Path, timeout: float = 240) -> None:
     """Poll `condition` while the child runs; fail with the child's log if it exits first."""
     deadline = time.monotonic() + timeout
     while not condition():
