@@ -210,8 +210,7 @@ def test_the_qwen3_math_recipe_runs_two_steps_on_cpu(tmp_path, text_dir) -> None
     run needs (paths, batch sizes, lengths, one process instead of a GPU node). In a process of its own, as
     a user runs it: in-process, after other tests on the same pytest worker, its vLLM engine once failed to
     set up ("pipeline model parallel group is not initialized", 2026-12-03)."""
-    import subprocess
-    import sys
+    from forked import run_python
 
     from mmrl.run.logger import read_metrics
 
@@ -226,14 +225,8 @@ def test_the_qwen3_math_recipe_runs_two_steps_on_cpu(tmp_path, text_dir) -> None
         f"trainer.output_dir={run}",
         *CPU_OVERRIDES,
     ]
-    cli = "import sys; from mmrl.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.run(
-        [sys.executable, "-c", cli, *args],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = tmp_path / "train.log"
+    assert run_python(["-m", "mmrl.cli", *args], log).wait() == 0, log.read_text()[-4000:]
     steps = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     assert all("reward/geometry" in r and "actor/pg_loss" in r for r in steps)
