@@ -99,10 +99,16 @@ _server: _Server | None = None
 _last: Child | None = None
 
 
-def run_python(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Child:
+def run_python(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Child | subprocess.Popen[bytes]:
     """`python *argv` (`-m module ...` or `-c code ...`) as a forked child in the repository, its
-    environment `env` (this process's by default), its output appended to `log`."""
+    environment `env` (this process's by default), its output appended to `log`. Off Linux, a fresh
+    interpreter: macOS's system libraries are not all safe to use in a forked child."""
     global _server, _last
+    if sys.platform != "linux":
+        with log.open("ab") as out:
+            return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=out, stderr=out)
     if _server is not None and (_server.process.poll() is not None or (_last and _last.poll() is None)):
         _server.stop()
         _server = None

@@ -65,7 +65,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start(argv: list[str], log: Path, extra_env: dict[str, str] | None = None) -> Child:
+def start(
+    argv: list[str], log: Path, extra_env: dict[str, str] | None = None
+) -> Child | subprocess.Popen[bytes]:
     """`python argv...` in the repository with output to `log`, as a child forked from a process that
     has imported the training stack (`forked.py`): it runs, and dies, as a fresh one would."""
     return run_python(argv, log, {**child_env(), **(extra_env or {})})
@@ -75,7 +77,7 @@ def train_argv(args: list[str]) -> list[str]:
     return ["-m", "mmrl.cli", "train", CONFIG, *args]
 
 
-def finish(proc: Child, log: Path, timeout: float = 240) -> int:
+def finish(proc: Child | subprocess.Popen[bytes], log: Path, timeout: float = 240) -> int:
     """Wait for a child and return its exit code; on a timeout kill it and fail with its log."""
     try:
         return proc.wait(timeout=timeout)
