@@ -100,13 +100,13 @@ _last: Child | None = None
 
 
 def run_python(
-    argv: list[str], log: Path, env: dict[str, str] | None = None
+    argv: list[str], log: Path, env: dict[str, str] | None = None, fresh: bool = False
 ) -> Child | subprocess.Popen[bytes]:
     """`python *argv` (`-m module ...` or `-c code ...`) as a forked child in the repository, its
-    environment `env` (this process's by default), its output appended to `log`. Off Linux, a fresh
-    interpreter: macOS's system libraries are not all safe to use in a forked child."""
+    environment `env` (this process's by default), its output appended to `log`. A fresh interpreter
+    where asked (`fresh`) and off Linux: macOS's system libraries are not all safe in a forked child."""
     global _server, _last
-    if sys.platform != "linux":
+    if fresh or sys.platform != "linux":
         with log.open("ab") as out:
             return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=out, stderr=out)
     if _server is not None and (_server.process.poll() is not None or (_last and _last.poll() is None)):

@@ -66,11 +66,12 @@ def child_env() -> dict[str, str]:
 
 
 def start(
-    argv: list[str], log: Path, extra_env: dict[str, str] | None = None
+    argv: list[str], log: Path, extra_env: dict[str, str] | None = None, fresh: bool = False
 ) -> Child | subprocess.Popen[bytes]:
     """`python argv...` in the repository with output to `log`, as a child forked from a process that
-    has imported the training stack (`forked.py`): it runs, and dies, as a fresh one would."""
-    return run_python(argv, log, {**child_env(), **(extra_env or {})})
+    has imported the training stack (`forked.py`): it runs, and dies, as a fresh one would. `fresh`: a
+    new interpreter instead."""
+    return run_python(argv, log, {**child_env(), **(extra_env or {})}, fresh)
 
 
 def train_argv(args: list[str]) -> list[str]:
@@ -87,7 +88,9 @@ def finish(proc: Child | subprocess.Popen[bytes], log: Path, timeout: float = 24
         raise AssertionError(f"child did not finish in {timeout:g}s; its log:\n{log.read_text()}") from None
 
 
-def wait_until(condition: Callable[[], bool], proc: Child, log: Path, timeout: float = 240) -> None:
+def wait_until(
+    condition: Callable[[], bool], proc: Child | subprocess.Popen[bytes], log: Path, timeout: float = 240
+) -> None:
     """Poll `condition` while the child runs; fail with the child's log if it exits first."""
     deadline = time.monotonic() + timeout
     while not condition():

@@ -19,13 +19,12 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from faultkit import CONFIG, REPO, child_env, finish, overrides, raw_records, train_argv, weights
+from faultkit import CONFIG, finish, overrides, raw_records, start, train_argv, weights
 from PIL import Image
 
 from mmrl.cli import main
@@ -149,10 +148,7 @@ def test_host_memory_stays_flat_over_50_quickstart_steps(tmp_path: Path, tiny_mo
     # A fresh interpreter, not a child forked from the suite's server (`forked.py`): a forked child's
     # resident size also counts the pages it shares with the server, and the heap release measured
     # against it dropped one reading of steps 11-20 by 190 MB below the run's level (2026-12-06).
-    with log.open("ab") as out:
-        child = subprocess.Popen(
-            [sys.executable, *train_argv(quickstart)], cwd=REPO, env=child_env(), stdout=out, stderr=out
-        )
+    child = start(train_argv(quickstart), log, fresh=True)
     assert finish(child, log, timeout=380) == 0, log.read_text()
     rss = {r["step"]: r["memory/rss_gb"] * 1024 for r in raw_records(run) if "memory/rss_gb" in r}
     assert sorted(rss) == list(range(1, 51))
