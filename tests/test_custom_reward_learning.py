@@ -5,15 +5,15 @@ signal about the image is the reward computed from its pixels."""
 from __future__ import annotations
 
 import pytest
-from learning_runs import RUNS, rise, train
+from learning_runs import RUNS, train_until_learned
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_pixel_reward_alone_teaches_the_colour_task(tmp_path, tiny_model_dir) -> None:
     run = RUNS["custom_reward"]
-    records = train("custom_reward", tmp_path, tiny_model_dir)
-    _, first, last = rise(run, records)
+    trained = train_until_learned("custom_reward", tmp_path, tiny_model_dir)
+    records, first, last = trained.records, trained.first, trained.last
     val = [r for r in records if "val/accuracy" in r]
     assert all(r["val/accuracy"] == r["val/dominant_colour"] for r in val), "accuracy is the pixel reward"
     assert first < 0.35, f"the warm-up alone should leave accuracy near chance (1/6), got {first}"

@@ -8,7 +8,7 @@ gain measured over seeds and x86 numerics (`bench/learning_spread.py`, figures i
 from __future__ import annotations
 
 import pytest
-from learning_runs import RUNS, rise, train
+from learning_runs import RUNS, train_until_learned
 
 from mmrl.rollout.vllm import vllm_available
 
@@ -20,8 +20,8 @@ def test_recipe_learns_colour_from_pixels(name: str, tmp_path, tiny_model_dir) -
     if name == "vllm" and not vllm_available():
         pytest.skip("vLLM is not installed (install requirements-test.lock)")
     run = RUNS[name]
-    records = train(name, tmp_path, tiny_model_dir)
-    _, first, last = rise(run, records)
+    trained = train_until_learned(name, tmp_path, tiny_model_dir)
+    records, first, last = trained.records, trained.first, trained.last
     assert last - first >= run.min_gain, f"{name}: validation accuracy went {first:.3f} -> {last:.3f}"
     if name == "dapo":
         assert any(r.get("dynamic_sampling/filtered_groups", 0) > 0 for r in records)
