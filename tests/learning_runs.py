@@ -109,7 +109,6 @@ class LearningRun:
 # of exactly 0). Learning goes colour by colour: +0.16 is the first colour learned beyond the warm-up's.
 COLOUR_STEPS = 100  # the colour and clip runs' RL steps at test size
 
-#
 # A run that learns at every seed measured runs at the seed that reached its threshold soonest: its test
 # costs the least, and a learner that is broken or slowed still fails it (2026-12-06, seeds 1-3 AVX2,
 # docs/benchmarks.md "Each learning run at its quickest seed").
@@ -164,11 +163,11 @@ RUNS: dict[str, LearningRun] = {
         val_every=10,
         seeds=(3,),
     ),
-    # gains 0.52, 0.16 (seeds 1 and 2)
+    # gains 0.52, 0.16 (seeds 1 and 2; 2026-11-24); 0.42 and 0.48 at seeds 2 and 3 (2026-12-06)
     "drgrpo": LearningRun(
         "configs/quickstart_drgrpo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1, val_every=10
     ),
-    # gains 0.67, 0.59, 0.17
+    # gains 0.67, 0.59, 0.17 (2026-11-24); 0.30 and 0.36 at seeds 2 and 3 (2026-12-06)
     "ppo": LearningRun(
         "configs/quickstart_ppo.yaml", colour_task, steps=COLOUR_STEPS, min_gain=0.1, val_every=10
     ),
@@ -201,7 +200,7 @@ RUNS: dict[str, LearningRun] = {
         ),
     ),
     # gains 0.48, 0.33, 0.33 (2026-11-24); 0.19, 0.14, 0.36 with the shared-prompt forward and the HF
-    # engine's own sampler (seeds 1-3, 2026-12-02, AVX2, 2-core AMD EPYC)
+    # engine's own sampler (seeds 1-3, 2026-12-02, AVX2, 2-core AMD EPYC); 0.14, 0.17 at seeds 2, 3 (2026-12-06)
     "custom_reward": LearningRun(
         "examples/custom_reward/config.yaml",
         hidden_colour_task,
