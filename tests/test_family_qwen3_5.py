@@ -13,7 +13,6 @@ tolerance."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ from transformers import AutoProcessor
 
 from mmrl.data.batch import Batch
 from mmrl.data.sample import POSITION_RULE, PromptSample
-from mmrl.models import family_of
+from mmrl.models import attention_fails_in, family_of
 from mmrl.processors import PositionRule
 from mmrl.rollout import HFEngine, SamplingParams
 from mmrl.rollout.vllm import WeightSyncError, checkpoint_names
@@ -237,14 +236,14 @@ def test_moe_router_loss_comes_from_the_models_own_router_logits(model, processo
 
 
 # ------------------------------------------------------------------ vLLM
-# vLLM's CPU DeltaNet takes nothing but bfloat16, and under the suite's AVX2 pin (conftest.py) bfloat16
-# attention on the CPU fails, in the trainer's SDPA and in vLLM's vision SDPA alike.
-AVX2_PINNED = os.environ.get("ATEN_CPU_CAPABILITY") == "avx2"
+# vLLM's CPU DeltaNet takes nothing but bfloat16, which an AMX CPU under the suite's AVX2 pin cannot attend
+# in (PyTorch's CPU attention raises there; mmrl refuses such an engine at start, `reduced_attention`).
 NO_BF16 = (
-    "vLLM 0.32's CPU DeltaNet runs in bfloat16 only ('CPU GDN attention requires BF16.' on a float32 "
-    "engine) and bfloat16 attention on the CPU under the suite's AVX2 pin fails ('pack_vnni2 is only "
-    "supported when avx512 is supported'); on an AVX-512 CPU run with ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=AUTO"
+    "vLLM 0.32's CPU DeltaNet runs in bfloat16 only ('CPU GDN attention requires BF16.' on a float32 engine), "
+    "and on a CPU with AMX under ATen below AVX-512 (the suite's ATEN_CPU_CAPABILITY=avx2) bfloat16 attention "
+    "fails ('pack_vnni2 is only supported when avx512 is supported'); run with ATEN_CPU_CAPABILITY unset"
 )
+BF16_FAILS = attention_fails_in(torch.bfloat16)
 
 
 VLLM_DTYPE = torch.bfloat16  # vLLM 0.32's CPU DeltaNet kernels refuse float32 (see the module docstring)
@@ -259,10 +258,8 @@ BF16_MOE_TOLERANCE = 0.25
 
 @pytest.fixture(scope="module")
 def vllm_prompts(model, processor) -> list[PromptSample]:
-    """Text-only prompts: under the suite's AVX2 pin (conftest.py) vLLM's bfloat16 vision attention
-    fails (`RuntimeError: pack_vnni2 is only supported when avx512 is supported`, from its
-    `torch_sdpa_wrapper`), so the vision tower is checked against transformers through the HF engine
-    only; the hybrid language model, which is what Qwen3.5 adds, goes through vLLM."""
+    """Text-only prompts: the vision tower is checked against transformers through the HF engine; the
+    hybrid language model, which is what Qwen3.5 adds, goes through vLLM."""
     family = family_of(model)
     cases = ["text", (LONG, [], []), ("Answer:", [], [])]
     return [MEDIA.prompt(processor, family, i, case) for i, case in enumerate(cases)]
@@ -272,7 +269,7 @@ vllm_engine = vllm_engine_fixture(MEDIA.images, VLLM_DTYPE)
 
 
 @vllm_only
-@pytest.mark.skipif(AVX2_PINNED, reason=NO_BF16)
+@pytest.mark.skipif(BF16_FAILS, reason=NO_BF16)
 def test_vllm_logprobs_match_the_trainer(vllm_engine, vllm_prompts) -> None:
     prompts = vllm_prompts
     torch.manual_seed(0)
@@ -289,7 +286,7 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, vllm_prompts) -> None:
 
 
 @vllm_only
-@pytest.mark.skipif(AVX2_PINNED, reason=NO_BF16)
+@pytest.mark.skipif(BF16_FAILS, reason=NO_BF16)
 def test_vllm_sync_after_an_update_is_verified_and_a_skipped_one_caught(vllm_engine, vllm_prompts) -> None:
     prompts = vllm_prompts
     vllm_engine.sync_weights()

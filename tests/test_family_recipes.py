@@ -19,8 +19,8 @@ from mmrl.run.logger import read_metrics
     [
         ("qwen3vl_geo", "qwen3_vl", []),
         ("qwen3vl_4b_geo_lora", "qwen3_vl", []),
-        # vLLM 0.32's CPU linear attention takes bf16 only ("CPU GDN attention requires BF16"), and the
-        # suite's AVX2 pin refuses bf16 matmuls: this one runs on the HF engine (README, supported models).
+        # vLLM 0.32's CPU linear attention takes bf16 only ("CPU GDN attention requires BF16"), which an
+        # AMX CPU under the suite's AVX2 pin cannot attend in: this one runs on the HF engine (README).
         ("qwen35_geo", "qwen3_5", ["rollout.engine=hf"]),
         ("glm41v_geo_lora", "glm4v", []),
         ("internvl35_geo_lora", "internvl", []),

@@ -14,7 +14,7 @@ from mmrl.run.logger import read_metrics
 
 CPU_OVERRIDES = [
     "trainer.device=cpu",
-    "model.dtype=float32",  # the suite pins ATen to AVX2 (conftest.py), where its bf16 matmuls refuse to run
+    "model.dtype=float32",  # under the suite's AVX2 pin (conftest.py) bf16 is emulated, slower than fp32
     "data.train_batch_size=4",
     "data.val_batch_size=8",
     "data.max_val_samples=8",

@@ -42,6 +42,7 @@ from mmrl.models.loading import (
     save_model,
     tokenizer_of,
 )
+from mmrl.models.reduced_attention import attention_fails_in, attention_refusal, sdpa
 from mmrl.models.tiny import CHAT_TEMPLATE, DEFAULT_FAMILY, build_tiny, build_tokenizer
 
 __all__ = [
@@ -58,7 +59,9 @@ __all__ = [
     "UnsupportedModelError",
     "action_head_of",
     "attach_action_head",
+    "attention_fails_in",
     "attention_implementation",
+    "attention_refusal",
     "autocast_for",
     "build_tiny",
     "build_tokenizer",
@@ -74,5 +77,6 @@ __all__ = [
     "register",
     "resolve_dtype",
     "save_model",
+    "sdpa",
     "tokenizer_of",
 ]

@@ -20,33 +20,12 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from mmrl.models.loading import attention_implementation
+from mmrl.models.reduced_attention import sdpa_in_fp32
 
 FP32_SDPA = "mmrl_sdpa_fp32"
-
-
-def sdpa_in_fp32(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention on fp32 copies of its inputs; the output in the query's dtype. Where the
-    inputs are not on a CPU (parameters offloaded to the CPU, compute on a GPU), SDPA as it is."""
-    if query.device.type != "cpu":
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast(query.device.type, enabled=False):
-        out, weights = sdpa_attention_forward(
-            module, query.float(), key.float(), value.float(), attention_mask, **kwargs
-        )
-    return out.to(query.dtype), weights
 
 
 AttentionInterface.register(FP32_SDPA, sdpa_in_fp32)

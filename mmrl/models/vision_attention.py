@@ -15,8 +15,9 @@ import itertools
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 from transformers import AttentionInterface
+
+from mmrl.models.reduced_attention import sdpa
 
 VARLEN_SDPA = "mmrl_sdpa_varlen_like_flash"
 
@@ -56,7 +57,7 @@ def sdpa_varlen(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, dropout: float):
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)
+    return sdpa(q, k, v, dropout_p=dropout, scale=scaling)
 
 
 AttentionInterface.register(VARLEN_SDPA, sdpa_varlen)

@@ -30,7 +30,16 @@ from mmrl.algorithms import BLOCKED_LOGIT
 from mmrl.config import VLLMConfig
 from mmrl.data.batch import Batch
 from mmrl.data.sample import POSITION_RULE, PromptSample
-from mmrl.models import Family, family_of, model_folder, never_generated_ids, tokenizer_of
+from mmrl.errors import ConfigError
+from mmrl.models import (
+    Family,
+    attention_fails_in,
+    attention_refusal,
+    family_of,
+    model_folder,
+    never_generated_ids,
+    tokenizer_of,
+)
 from mmrl.processors import PositionRule, Video, keep_frames_kwargs
 from mmrl.rollout import cpu_shm
 from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
@@ -139,6 +148,9 @@ class VLLMEngine(GeneratesAtOnce):
         self.compute_dtype = compute_dtype
         cfg = model.config
         self.family = family = family_of(cfg)
+        if current_platform.is_cpu() and family.takes_images and attention_fails_in(compute_dtype):
+            # Its vision attention calls PyTorch's own, which raises there (already in the start-up profile)
+            raise ConfigError(attention_refusal("vLLM's vision encoder", compute_dtype))
         self.position_rule = PositionRule("vllm", compute_dtype)
         self.blocked = never_generated_ids(cfg)
         eos = model.generation_config.eos_token_id

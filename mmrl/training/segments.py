@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from mmrl.models import attention_implementation
+from mmrl.models import attention_implementation, sdpa
 
 IMPLEMENTATION = "mmrl_segments"
 PLAN = "mmrl_segments"  # the forward keyword that carries the `SegmentPlan` down to each layer
@@ -71,7 +70,7 @@ class SegmentPlan:
         outputs = []
         for run in self.runs:
             q, k, v = run.rows(query), run.keys(key), run.keys(value)
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 q,
                 k,
                 v,
