@@ -20,9 +20,11 @@ from helpers import tiny_vla_config
 from ray.cluster_utils import Cluster
 
 from mmrl.config import load_config
+from mmrl.data.sample import PromptSample
 from mmrl.data.synthetic import generate
 from mmrl.errors import ResourceError, WorkerError
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor
+from mmrl.processors import build_messages, encode_prompt
 from mmrl.rollout import HFEngine, SamplingParams, cpu_shm
 from mmrl.rollout.vllm import vllm_available
 from mmrl.run import checkpoint as ckpt
@@ -60,14 +62,19 @@ def _cfg(model: Path, data: Path, *extra: str):
     )
 
 
-def _scored_batch(cfg):
-    """A fixed rollout batch with advantages and reference log-probs, made in this process."""
+def _scored_batch(cfg, text_only: tuple[int, ...] = ()):
+    """A fixed rollout batch with advantages and reference log-probs, made in this process; the prompts
+    at `text_only` are asked without their image."""
     torch.manual_seed(0)
     model = load_policy(cfg.model.path)
     processor = load_processor(cfg.model.path)
     train, _ = build_datasets(cfg, processor, model.config)
+    prompts = train.prepare_all(limit=4)
+    for i in text_only:
+        ids = encode_prompt(processor.tokenizer, build_messages("How many circles are there?", 0), [])
+        prompts[i] = PromptSample(prompts[i].row_id, ids, "q", prompts[i].ground_truth)
     batch = HFEngine(model, processor).generate(
-        train.prepare_all(limit=4), SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
+        prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
     )
     shape = batch["response_mask"].shape
     batch.set(advantages=torch.randn(shape[0], 1).expand(shape).clone())
@@ -84,6 +91,21 @@ def _one_process_update(cfg, batch, plan) -> tuple[dict[str, torch.Tensor], torc
     actor.update(batch, plan)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in model.state_dict().items() if peft is None or k in trainable}, base_logprobs
+
+
+def _ranks_differ_in_media(batch, plan, ranks: int = 2, micro: int = 3) -> bool:
+    """Whether some micro-batch has images on one rank and none on another: each rank takes an equal
+    share of a mini-batch's rows, in order (`PolicyGroup`), cut into micro-batches of `micro` rows."""
+    for step in plan:
+        shares = step.rows.tensor_split(ranks)
+        for start in range(0, len(shares[0]), micro):
+            has = {
+                any(batch.prompts[int(batch["prompt_index"][r])].images for r in s[start : start + micro])
+                for s in shares
+            }
+            if len(has) > 1:
+                return True
+    return False
 
 
 def _two_worker_update(cfg, batch, plan):
@@ -105,14 +127,18 @@ def _two_worker_update(cfg, batch, plan):
 def test_two_fsdp_workers_update_exactly_like_one_process(
     local_ray, tmp_path, tiny_family_dir, family, lora
 ) -> None:
-    """Per family: its FSDP units (`Family.fsdp_units`, MoE experts inside their layers) and LoRA prefixes."""
+    """Per family: its FSDP units (`Family.fsdp_units`, MoE experts inside their layers) and LoRA prefixes.
+    One prompt of the four is text-only, so some micro-batches hold images on one rank and none on the
+    other: the vision blocks' collectives must still pair up (`mmrl.training.media`), or the ranks wait on
+    each other until the group's timeout (shortened here)."""
     generate(tmp_path / "data", task="color", n_train=8, n_val=0, seed=0, image_size=56)
     extra = ["model.lora.rank=4"] if lora else []
-    cfg = _cfg(tiny_family_dir(family), tmp_path / "data", *extra)
-    batch = _scored_batch(cfg)
+    cfg = _cfg(tiny_family_dir(family), tmp_path / "data", *extra, "trainer.dist_timeout_s=60")
+    batch = _scored_batch(cfg, text_only=(1,))
     torch.manual_seed(1)
     plan = update_plan(cfg).minibatches(batch)
     assert len(plan) == 2
+    assert _ranks_differ_in_media(batch, plan), "the plan must give one rank a micro-batch without images"
 
     expected, base_logprobs = _one_process_update(cfg, batch, plan)
     before, stats, after, reference = _two_worker_update(cfg, batch, plan)
@@ -125,7 +151,9 @@ def test_two_fsdp_workers_update_exactly_like_one_process(
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
     assert moved > 1e-3, "the update should move the weights well beyond the tolerance"
     worst = max(float((after[k] - expected[k]).abs().max()) for k in after)
-    assert worst < 1e-5, f"2 FSDP workers differ from 1 process by {worst:.2e}"
+    # 2.8e-7 to 2.6e-6, and 1.07e-5 for LoRA on the MoE (4.1e-6 with every prompt showing its image):
+    # the ranks' micro-batches sum in another order than one process's (2026-12-07)
+    assert worst < 2e-5, f"2 FSDP workers differ from 1 process by {worst:.2e}"
     # The reference is the untouched start: under LoRA the workers' base with the adapter off.
     torch.testing.assert_close(reference, base_logprobs, rtol=0, atol=1e-5)
 

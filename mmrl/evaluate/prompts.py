@@ -21,7 +21,7 @@ from mmrl.config import Config
 from mmrl.errors import ConfigError
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rewards import RewardManager
-from mmrl.rollout import SamplingParams, engine_from_config
+from mmrl.rollout import SamplingParams, engine_from_config, weights_device
 from mmrl.run import checkpoint as ckpt
 from mmrl.sources.prompts import build_datasets
 from mmrl.sources.scoring import generate_and_score, reward_label, reward_metrics
@@ -63,10 +63,11 @@ def load_for_eval(cfg: Config, checkpoint: str | Path) -> tuple[Path, Any, Any, 
     """The checkpoint's model folder, the model in eval mode, its processor, and a rollout engine on it."""
     model_dir = resolve_checkpoint(checkpoint)
     device = cfg.trainer.torch_device()
+    held = weights_device(cfg.rollout.engine, device)
     if is_adapter(model_dir):
-        model = load_with_adapter(model_dir, device).eval()
+        model = load_with_adapter(model_dir, held).eval()
     else:
-        model = load_policy(model_dir, torch.float32, device).eval()
+        model = load_policy(model_dir, torch.float32, held).eval()
     processor = load_processor(model_dir)
     compute_dtype = resolve_dtype(cfg.model.dtype, device)
     if cfg.rollout.vllm.tensor_parallel_size > 1:  # training split each engine over workers; here it is whole

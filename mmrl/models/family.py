@@ -227,6 +227,11 @@ class Family:
         encode = model.model.get_video_features if video else model.model.get_image_features
         return encode(pixels.to(device), grids.to(device))
 
+    def tower_passes(self, grids: torch.Tensor) -> int:
+        """How many passes through the vision tower `encode_media` makes for items of these `grids`: one
+        for all of them (FSDP ranks must make as many as each other, `mmrl.training.media`)."""
+        return 1
+
     def select_media(self, encoded: Any, items: Sequence[int]) -> Any:
         """`encoded` (from `encode_media`) reduced to the listed items, in that order, repeats allowed:
         how the n responses of a prompt share one encoding of its media. Every per-item field goes

@@ -125,6 +125,10 @@ class Mistral3(LlavaLayout):
             features += encoded.pooler_output
         return BaseModelOutputWithPooling(pooler_output=tuple(features))
 
+    def tower_passes(self, grids: torch.Tensor) -> int:
+        """One pass per image (`encode_media`)."""
+        return len(grids)
+
     def generate_inputs(self, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The images as the model's padded `pixel_values` and `image_sizes`."""
         if "pixel_values" not in vision:

@@ -23,6 +23,7 @@ __all__ = [
     "engine_from_config",
     "make_engine",
     "resolve_engine",
+    "weights_device",
 ]
 
 
@@ -38,6 +39,14 @@ def resolve_engine(kind: str) -> str:
     if kind not in ("hf", "vllm"):
         raise ValueError(f"rollout.engine={kind!r}: choose auto, hf or vllm")
     return kind
+
+
+def weights_device(kind: str, device: str) -> str:
+    """Where a model an engine samples from is held: on `device` for the HF engine, which computes on it;
+    in host memory for vLLM, which holds its own copy and reads this one only to take weights in (and for
+    its verification probe), so an fp32 copy of an 8B model does not take 32 GB of the GPU vLLM sizes its
+    cache by."""
+    return "cpu" if resolve_engine(kind) == "vllm" else device
 
 
 def make_engine(

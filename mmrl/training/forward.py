@@ -69,7 +69,10 @@ def response_hidden(
     sharing = shared_prompts(model, family, rows, batch, router_losses is not None)
     media = PromptMedia(family, model, batch.prompts, rows)
     if sharing is not None:
-        return shared_prompt_hidden(model, family, sharing, prompt_ids, prompt_mask, batch, positions, media)
+        hidden = shared_prompt_hidden(
+            model, family, sharing, prompt_ids, prompt_mask, batch, positions, media
+        )
+        return media.tied(hidden)
     hidden = family.hidden_states(
         model,
         input_ids.to(device),
@@ -79,7 +82,7 @@ def response_hidden(
         router_losses,
     )
     start = prompt_ids.shape[1] - 1  # the position whose output predicts the first response token
-    return hidden[:, start : start + response.shape[1]]
+    return media.tied(hidden[:, start : start + response.shape[1]])
 
 
 def packed_hidden(
@@ -110,10 +113,10 @@ def packed_hidden(
     shown = media.of_rows(rows) if sharing is None else packed_media(sharing, rows, media)
     args = (model, packed.input_ids.to(device), None, packed.positions.to(device), shown, router_losses)
     if not by_segment:
-        return unpack(family.hidden_states(*args), packed)
+        return media.tied(unpack(family.hidden_states(*args), packed))
     plan = SegmentPlan(packed.segments, device)
     with segment_attention(family.language_model(model)):
-        return unpack(family.hidden_states(*args, attention_kwargs={PLAN: plan}), packed)
+        return media.tied(unpack(family.hidden_states(*args, attention_kwargs={PLAN: plan}), packed))
 
 
 def response_logits(

@@ -30,14 +30,24 @@ def load_trainable(path: str | Path, cfg: Config, device: str = "cpu") -> Any:
     return model
 
 
-def add_adapters(model: Any, cfg: Config, base: str | Path) -> Any:
-    """LoRA adapters on `model` (in place) when `model.lora.rank` is set; the PeftModel, else None.
+def add_adapters(
+    model: Any, cfg: Config, base: str | Path, compute_dtype: torch.dtype = torch.float32
+) -> Any:
+    """LoRA adapters on `model` (in place) when `model.lora.rank` is set; the PeftModel, else None. Then
+    every frozen parameter (the base under LoRA, a frozen vision tower) is held in `compute_dtype`.
 
-    peft records `base` as the adapter's base model, so `mmrl eval` and plain transformers find it."""
-    if not cfg.model.lora.rank:
-        return None
-    model.name_or_path = model.config._name_or_path = str(Path(base).resolve())
-    return apply_lora(model, cfg.model.lora)
+    peft records `base` as the adapter's base model, so `mmrl eval` and plain transformers find it. Frozen
+    weights are only ever read in the compute dtype, so an fp32 copy is 4 bytes a parameter that buy
+    nothing, and under autocast the bf16 copies made for backward come on top: about 6 bytes a parameter
+    where bf16 weights take 2 (EasyR1 holds a LoRA base in bf16 too). Trained parameters stay fp32."""
+    peft = None
+    if cfg.model.lora.rank:
+        model.name_or_path = model.config._name_or_path = str(Path(base).resolve())
+        peft = apply_lora(model, cfg.model.lora)
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point():
+            param.data = param.data.to(compute_dtype)
+    return peft
 
 
 def reference_logprobs(

@@ -33,21 +33,27 @@ from torch.distributed.fsdp import (
 
 from mmrl.models import family_of
 from mmrl.training.forward import SHARDED_LOGITS, scored_logits
+from mmrl.workers.device import worker_device
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on a CPU. On a GPU, NCCL for CUDA tensors and gloo for CPU ones: with `actor.offload` the
+    shards and gradients live in CPU memory, and the gradient norm's reduction and the whole tensors
+    gathered for a vLLM sync are collectives over them, which an NCCL-only group cannot run."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def init_process_group(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> torch.device:
-    """Join the group (nccl on GPU, gloo on CPU) and return this rank's device.
-
-    Ray gives each GPU worker exactly one visible GPU, so it is always `cuda:0` in the worker."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    """Join the group (`process_group_backend`) and return this rank's device (`worker_device`)."""
+    device = worker_device()
     dist.init_process_group(
-        backend,
+        process_group_backend(device),
         init_method=f"tcp://{address}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    return device
 
 
 def shard_model(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:

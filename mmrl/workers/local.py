@@ -45,7 +45,7 @@ class LocalPolicy:
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device)  # trained weights stay fp32
         pad_id = tokenizer_of(processor).pad_token_id
         self.model = load_trainable(start, cfg, device)
-        self.peft = add_adapters(self.model, cfg, start)
+        self.peft = add_adapters(self.model, cfg, start, self.compute_dtype)
         self.actor = build_actor(cfg, self.model, pad_id, self.compute_dtype)
         self.has_reference = needs_reference(cfg)
         self.ref: Any = None  # under LoRA the policy itself, read with its adapter switched off

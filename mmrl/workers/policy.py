@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from mmrl.config import Config
 from mmrl.data.batch import Batch
+from mmrl.data.dataset import image_budget
 from mmrl.data.sample import PromptSample
 from mmrl.models import SHARDED_MARKER, load_policy, load_processor, resolve_dtype, tokenizer_of
 from mmrl.rollout import SamplingParams, engine_from_config, resolve_engine
@@ -30,6 +31,7 @@ from mmrl.run.checkpoint import load_state_file
 from mmrl.training.actor import build_actor, needs_reference
 from mmrl.training.critic import needs_critic
 from mmrl.training.lora import merged_state
+from mmrl.training.media import keep_blank_image
 from mmrl.training.micro_batches import Layout
 from mmrl.training.optim import MiniBatch, TrainedModel, UpdateStats, apply_settings
 from mmrl.training.prm import needs_prm
@@ -65,7 +67,7 @@ class PolicyWorker:
         self.compute_dtype = resolve_dtype(cfg.model.dtype, device.type)
         model = load_trainable(cfg.model.path, cfg)
         processor = load_processor(cfg.model.path)
-        self.peft = add_adapters(model, cfg, cfg.model.path)
+        self.peft = add_adapters(model, cfg, cfg.model.path, self.compute_dtype)
         self.model = shard_policy(model, self.compute_dtype, cfg.actor.offload)
         if not cfg.actor.offload:
             self.model.to(device)
@@ -82,6 +84,10 @@ class PolicyWorker:
             sharded_critic(cfg, device, self.pad_id, self.compute_dtype) if needs_critic(cfg) else None
         )
         self.prm = sharded_prm(cfg, device, self.pad_id, self.compute_dtype) if needs_prm(cfg) else None
+        budget = image_budget(cfg.data, model.config)
+        for sharded in (self.model, self.ref, self.critic and self.critic.model, self.prm and self.prm.model):
+            if sharded is not None:  # ranks with other media make as many tower passes (`training.media`)
+                keep_blank_image(sharded, processor, budget)
         # A vLLM engine (or its tensor-parallel rank) per worker, unless a rollout worker of its own generates.
         if resolve_engine(cfg.rollout.engine) == "vllm" and not cfg.rollout.max_staleness:
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)

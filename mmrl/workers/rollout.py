@@ -16,7 +16,8 @@ from mmrl.config import Config
 from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
 from mmrl.models import load_policy, load_processor, resolve_dtype
-from mmrl.rollout import SamplingParams, engine_from_config
+from mmrl.rollout import SamplingParams, engine_from_config, weights_device
+from mmrl.workers.device import worker_device
 
 # Batch tensor: the version (updates applied) of the weights that sampled each row.
 POLICY_VERSION = "policy_version"
@@ -30,8 +31,9 @@ class RolloutWorker:
 
     def setup(self, cfg: Config) -> None:
         torch.set_num_threads(cfg.rollout.worker_cpus)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = load_policy(cfg.model.path, torch.float32, device).eval()
+        device = worker_device()
+        held = weights_device(cfg.rollout.engine, str(device))
+        self.model = load_policy(cfg.model.path, torch.float32, held).eval()
         dtype = resolve_dtype(cfg.model.dtype, device)
         self.engine = engine_from_config(
             cfg, self.model, load_processor(cfg.model.path), dtype, cfg.model.path
