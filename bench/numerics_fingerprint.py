@@ -84,7 +84,9 @@ def fingerprint() -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--native", action="store_true", help="the machine's own kernels, not the suite's pins")
+    parser.add_argument(
+        "--native", action="store_true", help="the machine's own kernels, not the suite's pins"
+    )
     args = parser.parse_args()
     pins = {"OMP_NUM_THREADS": "1"} if args.native else SUITE_PINS
     if any(os.environ.get(k) != v for k, v in pins.items()) or (
@@ -96,7 +98,9 @@ def main() -> None:
 
     rows = fingerprint()
     print(f"CPU: {cpu()}")
-    print(f"ATen kernels: {torch.backends.cpu.get_cpu_capability()}, MKL_CBWR={os.environ.get('MKL_CBWR', 'unset')}")
+    print(
+        f"ATen kernels: {torch.backends.cpu.get_cpu_capability()}, MKL_CBWR={os.environ.get('MKL_CBWR', 'unset')}"
+    )
     print("| computation | hash |\n|---|---|")
     for name, digest in rows.items():
         print(f"| {name} | `{digest}` |")
