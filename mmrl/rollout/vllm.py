@@ -18,6 +18,7 @@ positions (`mmrl.training.forward.response_hidden`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -190,6 +191,10 @@ class VLLMEngine(GeneratesAtOnce):
             cpu_shm.clear_stale()
             torch.distributed.barrier()  # no rank creates its segment while another still clears
         _readable_by_vllms_module_scan()
+        # An earlier in-process engine that is garbage but not yet collected tears vLLM's process-wide
+        # groups down when the collector reaches it: collected now, before this engine sets them up (and
+        # before its start-up `gc.freeze()` keeps such garbage until another engine's shutdown unfreezes it).
+        gc.collect()
         self.llm = LLM(
             model=str(model_folder(model_path)),
             dtype=compute_dtype,
