@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import QUICKSTART, data_overrides, make_workspace
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
-from common import QUICKSTART, data_overrides, make_workspace
+
 
 class PeakTensorBytes(TorchDispatchMode):
     """The most bytes of tensor storage alive at once while active: the `held` tensors' storages, plus
@@ -83,20 +84,22 @@ SHAPES["wide"] = {
 }
 
 
-def measure(shape: str, dtype: str, rows: int, response: int, checkpointing: bool, root: Path) -> dict[str, Any]:
+def measure(
+    shape: str, dtype: str, rows: int, response: int, checkpointing: bool, root: Path
+) -> dict[str, Any]:
     """Measured peak of one actor update and the planner's prediction for the same micro-batch, in MiB."""
     from mmrl.config import load_config
     from mmrl.data.sample import PromptSample
-    from mmrl.processors.chat import build_messages, encode_prompt
     from mmrl.models import build_tiny, load_policy, load_processor
     from mmrl.models import load_config as load_config_json
+    from mmrl.processors.chat import build_messages, encode_prompt
     from mmrl.rollout import HFEngine, SamplingParams
     from mmrl.training.actor import build_actor, update_plan
     from mmrl.training.micro_batches import row_lengths
     from mmrl.training.setup import add_adapters, load_trainable
     from mmrl.workers.memory import GIB, plan_memory, shape_of
 
-    tiny, data = make_workspace(root, n_train=8, image_size=56)
+    _, data = make_workspace(root, n_train=8, image_size=56)
     model_dir = root / f"model-{shape}"
     if not (model_dir / "config.json").exists():
         build_tiny(model_dir, seed=0, text=SHAPES[shape] or None)
@@ -132,11 +135,17 @@ def measure(shape: str, dtype: str, rows: int, response: int, checkpointing: boo
     add_adapters(model, cfg, model_dir, compute)
     actor = build_actor(cfg, model, processor.tokenizer.pad_token_id, compute)
     plan = update_plan(cfg).minibatches(batch)
-    actor.update(batch, plan)  # once outside the tracker: the optimizer's moments now exist, as at any later step
+    actor.update(
+        batch, plan
+    )  # once outside the tracker: the optimizer's moments now exist, as at any later step
     held = [*model.parameters(), *(t for s in actor.optimizer.state.values() for t in s.values())]
     with PeakTensorBytes(held) as tracker:
         actor.update(batch, plan)
-    measured = {"Total": tracker.peak, "state": tracker.held, "made during the update": tracker.peak - tracker.held}
+    measured = {
+        "Total": tracker.peak,
+        "state": tracker.held,
+        "made during the update": tracker.peak - tracker.held,
+    }
     lengths = row_lengths(batch)
     tokens = len(lengths) * (max(p for p, _ in lengths) + max(r for _, r in lengths))
     scored = int(batch["response_mask"].sum())
@@ -169,9 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     from mmrl.models.loading import cpu_runs_bf16
 
     bf16 = "bfloat16" if cpu_runs_bf16() else "float32"
-    cases = [("tiny", "float32", 4, 32, False), ("wide", bf16, 8, 96, False), ("wide", "float32", 8, 96, True)]
+    cases = [
+        ("tiny", "float32", 4, 32, False),
+        ("wide", bf16, 8, 64, False),
+        ("wide", "float32", 4, 64, True),
+    ]
     if not args.quick:
         cases += [
+            ("wide", bf16, 8, 96, False),
+            ("wide", "float32", 8, 96, True),
             ("mid", "float32", 4, 64, False),
             ("mid", bf16, 4, 64, False),
             ("mid", "float32", 4, 64, True),
@@ -182,11 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             rows.append(measure(*case, root=Path(tmp)))
-    print(f"{'shape':<6}{'dtype':<10}{'ckpt':<6}{'params':>8}{'tokens':>8}{'measured':>10}{'planned':>10}{'ratio':>7}")
+    print(
+        f"{'shape':<6}{'dtype':<10}{'ckpt':<6}{'params':>8}{'tokens':>8}{'measured':>10}{'planned':>10}{'ratio':>7}"
+    )
     for r in rows:
         ratio = r["predicted_mib"] / r["measured_mib"]
         print(
-            f"{r['shape']:<6}{r['dtype']:<10}{str(r['checkpointing']):<6}{r['params_m']:>7.1f}M{r['tokens']:>8}"
+            f"{r['shape']:<6}{r['dtype']:<10}{r['checkpointing']!s:<6}{r['params_m']:>7.1f}M{r['tokens']:>8}"
             f"{r['measured_mib']:>9.1f}M{r['predicted_mib']:>9.1f}M{ratio:>7.3f}"
         )
         print(f"      measured {r['measured_parts_mib']}\n      planned  {r['predicted_parts_mib']}")

@@ -1,4 +1,4 @@
-"""`mmrl` command line: train, sft, eval, export, quickstart, config show, model init-tiny, data synth."""
+"""`mmrl` command line: train, sft, eval, export, quickstart, plan, config show, model init-tiny, data synth."""
 
 from __future__ import annotations
 
@@ -86,6 +86,27 @@ def _export(args: argparse.Namespace) -> int:
 def _config_show(args: argparse.Namespace) -> int:
     print(dump_config(_load(args)), end="")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from mmrl.workers.memory import gpu_kind, plan_memory, shape_for, what_fits
+
+    cfg = _load(args)
+    gpu = gpu_kind(args.gpu)
+    shape = shape_for(cfg)
+    plan = plan_memory(cfg, shape, gpu)
+    print(
+        f"{cfg.model.path}: {shape.params / 1e9:.2f} B parameters ({shape.vision_params / 1e9:.2f} B in the vision tower)"
+    )
+    print(plan.table())
+    if not plan.fits:
+        fixes = what_fits(cfg, shape, gpu)
+        print(
+            f"to fit: {' '.join(fixes)}"
+            if fixes
+            else "no single-GPU setting fits: more GPUs, LoRA or a larger GPU"
+        )
+    return 0 if plan.fits else 1
 
 
 def _output_folder(path: str | Path, force: bool, what: str) -> Path:
@@ -240,6 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("config")
     show.add_argument("overrides", nargs="*", default=[])
     show.set_defaults(func=_config_show)
+
+    plan = sub.add_parser(
+        "plan", help="per-GPU memory of a config at rollout and update, and whether it fits"
+    )
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*", default=[])
+    plan.add_argument(
+        "--gpu", default="h100-80g", help="the GPU kind: a100-40g, a100-80g, h100-80g, h200-141g, ..."
+    )
+    plan.set_defaults(func=_plan)
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="action", required=True)
     tiny = model.add_parser(

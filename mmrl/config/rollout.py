@@ -60,6 +60,12 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     max_new_tokens: int = Field(512, gt=0, description="Response length budget in tokens")
+    hf_max_seqs: int | None = Field(
+        None,
+        gt=0,
+        description="HF engine: at most this many sequences decoded at once (whole groups; their KV cache "
+        "is the rollout's memory); default: every sequence of a step together",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

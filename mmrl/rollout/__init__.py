@@ -59,6 +59,7 @@ def make_engine(
     vllm: VLLMConfig | None = None,
     pixels: tuple[int, int] = (28 * 28, 1024 * 28 * 28),
     seed: int = 0,
+    hf_max_seqs: int | None = None,
 ) -> RolloutEngine:
     """The configured engine. vLLM loads the architecture from `model_path` and then takes the weights
     of `model` at every `sync_weights`; `pixels` is the (min, max) budget images were sized with. A policy
@@ -71,7 +72,7 @@ def make_engine(
             )
         return ActionHeadEngine(model, head, processor, compute_dtype)
     if resolve_engine(kind) == "hf":
-        return HFEngine(model, processor, compute_dtype)
+        return HFEngine(model, processor, compute_dtype, max_seqs=hf_max_seqs)
     if model_path is None:
         raise ValueError("the vLLM engine needs the model's folder (model_path)")
     return VLLMEngine(model, processor, model_path, compute_dtype, vllm or VLLMConfig(), *pixels, seed=seed)
@@ -90,4 +91,5 @@ def engine_from_config(
         vllm=cfg.rollout.vllm,
         pixels=(cfg.data.min_pixels, cfg.data.max_pixels),
         seed=cfg.trainer.seed,
+        hf_max_seqs=cfg.rollout.hf_max_seqs,
     )

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from mmrl.algorithms import block_tokens, logprobs_from_logits
-from mmrl.data.batch import Batch, left_pad
+from mmrl.data.batch import Batch, concat, left_pad
 from mmrl.data.sample import PromptSample, vision_inputs
 from mmrl.models import autocast_for, family_of, fp32_attention_on_cpu, never_generated_ids, tokenizer_of
 from mmrl.rollout.base import GeneratesAtOnce, SamplingParams
@@ -35,10 +35,14 @@ class HFEngine(GeneratesAtOnce):
         processor: Any,
         compute_dtype: torch.dtype = torch.float32,
         synced_gpus: bool = False,
+        max_seqs: int | None = None,
     ) -> None:
         """`synced_gpus` keeps every rank of an FSDP group stepping until all ranks' sequences are done:
-        each step gathers the shards, so a rank that stopped early would leave the others waiting."""
+        each step gathers the shards, so a rank that stopped early would leave the others waiting.
+        `max_seqs` caps the sequences decoded at once (`rollout.hf_max_seqs`): their KV cache is what
+        generation holds, and a step's whole batch at real lengths does not fit a GPU."""
         self.model = model
+        self.max_seqs = max_seqs
         self.compute_dtype = compute_dtype
         self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer_of(processor)
@@ -51,6 +55,11 @@ class HFEngine(GeneratesAtOnce):
 
     @torch.no_grad()
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch:
+        per_pass = max(1, (self.max_seqs or 0) // params.n)
+        if self.max_seqs and len(prompts) > per_pass:  # whole groups per pass, in order
+            return concat(
+                [self.generate(prompts[i : i + per_pass], params) for i in range(0, len(prompts), per_pass)]
+            )
         stop = sorted({*self.eos_ids, *params.stop_token_ids})
         was_training = self.model.training
         self.model.eval()

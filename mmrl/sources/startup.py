@@ -39,6 +39,9 @@ def check_startup(cfg: Config, command: str) -> None:
         family = check_model("model.path", cfg.model.path)
         check_turns(cfg, "model.path", family)
         settle_engine(cfg, family)
+        from mmrl.workers.memory import refuse_what_cannot_fit
+
+        refuse_what_cannot_fit(cfg)  # on GPUs: a run that cannot fit stops here, not in its first update
         check_action_head(cfg)
         check_writable("trainer.output_dir", cfg.trainer.output_dir)
     if cfg.env is not None:

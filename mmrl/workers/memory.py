@@ -14,7 +14,7 @@ prediction within 15 % of the measured peak); the formulas are in `docs/memory_p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 from mmrl.config import Config
 from mmrl.models import family_of
 from mmrl.models.loading import resolve_dtype
+from mmrl.models.published import published_config
 
 GIB = 2**30
 # Usable memory of each GPU kind `mmrl plan --gpu` knows (what `torch.cuda.mem_get_info` reports free on
@@ -40,6 +41,8 @@ GPUS: dict[str, float] = {
 GPU_OVERHEAD = 3.0 * GIB
 # vLLM's own need inside its share besides weights and KV: its profiled activations and CUDA graphs.
 VLLM_RUNTIME = 2.0 * GIB
+# What a sleeping vLLM engine keeps on the GPU during the update: its CUDA graphs' memory pool.
+VLLM_ASLEEP = 1.0 * GIB
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,10 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    patch_size: int = 14
 
 
 def shape_of(config: Any, cfg: Config) -> ModelShape:
@@ -67,7 +74,8 @@ def shape_of(config: Any, cfg: Config) -> ModelShape:
     with torch.device("meta"):
         model = family.new_model(config)
     params = sum(p.numel() for p in model.parameters())
-    family.freeze_vision(model)
+    if getattr(config, "vision_config", None) is not None:
+        family.freeze_vision(model)
     vision = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     units = family.fsdp_units(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
@@ -82,6 +90,8 @@ def shape_of(config: Any, cfg: Config) -> ModelShape:
         lora = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     text = config.get_text_config()
     heads = text.num_attention_heads
+    tower = getattr(config, "vision_config", None)
+    patch = getattr(tower, "patch_size", 14)
     return ModelShape(
         params=params,
         vision_params=vision,
@@ -95,6 +105,10 @@ def shape_of(config: Any, cfg: Config) -> ModelShape:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
+        vision_layers=getattr(tower, "depth", None) or getattr(tower, "num_hidden_layers", 0),
+        vision_hidden=getattr(tower, "hidden_size", 0),
+        vision_intermediate=getattr(tower, "intermediate_size", 0),
+        patch_size=patch[0] if isinstance(patch, (tuple, list)) else patch,
     )
 
 
@@ -142,13 +156,17 @@ class Plan:
     def table(self) -> str:
         """The plan as a plain-text table, GiB per GPU."""
         names = list(dict.fromkeys(k for p in self.phases for k in p.parts))
-        rows = [f"{'per GPU (GiB)':<26}" + "".join(f"{p.name:>10}" for p in self.phases)]
+        rows = [f"{'per GPU (GiB)':<32}" + "".join(f"{p.name:>10}" for p in self.phases)]
         for name in names:
-            rows.append(f"{name:<26}" + "".join(f"{p.parts.get(name, 0.0) / GIB:>10.2f}" for p in self.phases))
-        rows.append(f"{'total':<26}" + "".join(f"{p.total / GIB:>10.2f}" for p in self.phases))
-        rows.append(f"{self.gpu + ' holds':<26}{self.gpu_bytes / GIB:>10.2f}")
+            rows.append(
+                f"{name:<32}" + "".join(f"{p.parts.get(name, 0.0) / GIB:>10.2f}" for p in self.phases)
+            )
+        rows.append(f"{'total':<32}" + "".join(f"{p.total / GIB:>10.2f}" for p in self.phases))
+        rows.append(f"{self.gpu + ' holds':<32}{self.gpu_bytes / GIB:>10.2f}")
         if self.kv_sequences is not None:
-            rows.append(f"vLLM's KV cache holds {self.kv_sequences:.1f} sequences of rollout.vllm.max_model_len")
+            rows.append(
+                f"vLLM's KV cache holds {self.kv_sequences:.1f} sequences of rollout.vllm.max_model_len"
+            )
         verdict = "fits" if self.fits else "does NOT fit"
         rows.append(f"{verdict} on {self.ranks} x {self.gpu} (peak: {self.peak.name})")
         return "\n".join(rows)
@@ -166,8 +184,21 @@ def activation_bytes(shape: ModelShape, tokens: int, compute: int, checkpointing
 def layer_bytes(shape: ModelShape, compute: int) -> float:
     """Bytes one decoder layer saves for backward per token."""
     attention = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    in_compute = ACT_HIDDEN * shape.hidden + ACT_INTERMEDIATE * shape.intermediate + ACT_ATTENTION * attention
-    return compute * in_compute + 4 * ACT_HIDDEN_FP32 * shape.hidden
+    return _block_bytes(shape.hidden, shape.intermediate, attention, compute)
+
+
+def _block_bytes(hidden: int, intermediate: int, attention: int, compute: int) -> float:
+    in_compute = ACT_HIDDEN * hidden + ACT_INTERMEDIATE * intermediate + ACT_ATTENTION * attention
+    return compute * in_compute + 4 * ACT_HIDDEN_FP32 * hidden
+
+
+def tower_bytes(shape: ModelShape, patches: int, compute: int, checkpointing: bool) -> float:
+    """What a trained vision tower saves for backward over `patches` patches: its blocks counted as
+    decoder layers of the tower's width (full attention: q, k and v each as wide as the block)."""
+    block = _block_bytes(shape.vision_hidden, shape.vision_intermediate, 3 * shape.vision_hidden, compute)
+    if checkpointing:
+        return patches * (shape.vision_layers * 4 * shape.vision_hidden + block)
+    return patches * shape.vision_layers * block
 
 
 def logit_bytes(shape: ModelShape, scored_tokens: int, compute: int) -> float:
@@ -196,7 +227,9 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: str, gpu_bytes: float | Non
     ranks = cfg.trainer.world_size if cfg.trainer.uses_workers else 1
     compute = resolve_dtype(cfg.model.dtype, "cuda").itemsize
     lora = bool(cfg.model.lora.rank)
-    trained = shape.lora_params if lora else shape.params - shape.vision_params * cfg.model.freeze_vision_tower
+    trained = (
+        shape.lora_params if lora else shape.params - shape.vision_params * cfg.model.freeze_vision_tower
+    )
     frozen = shape.params - (0 if lora else trained)
     offload = cfg.actor.offload
     state: dict[str, float] = {
@@ -223,6 +256,14 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: str, gpu_bytes: float | Non
         "activations": activation_bytes(shape, tokens, compute, cfg.model.gradient_checkpointing),
         "logits": logit_bytes(shape, scored, compute),
     }
+    if shape.vision_layers and not (
+        cfg.model.freeze_vision_tower or (lora and not cfg.model.lora.include_vision)
+    ):
+        # Each row of a micro-batch may bring its own largest image (a frozen tower saves nothing).
+        patches = cfg.actor.micro_batch_size * cfg.data.max_pixels // shape.patch_size**2
+        early["vision tower activations"] = tower_bytes(
+            shape, patches, compute, cfg.model.gradient_checkpointing
+        )
     late = grads + tokens * layer_bytes(shape, compute)
     update.update(early if sum(early.values()) >= late else {"gradients + one layer": late})
     rollout = dict(state)
@@ -231,18 +272,24 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: str, gpu_bytes: float | Non
     if resolve_engine(cfg.rollout.engine) == "vllm":
         share = cfg.rollout.vllm.gpu_memory_utilization * total
         rollout["vLLM (gpu_memory_utilization)"] = share
+        update["vLLM asleep (CUDA graphs)"] = VLLM_ASLEEP
         tp = cfg.rollout.vllm.tensor_parallel_size
         cache = share - compute * shape.params / tp - VLLM_RUNTIME
         kv_sequences = max(0.0, cache) / (kv_token / tp * cfg.rollout.vllm.max_model_len)
-    else:  # the HF engine decodes every row of the rank's share at once from the trained weights
+    else:  # the HF engine decodes the rank's share (or `rollout.hf_max_seqs` of it) at once
         rows = cfg.data.train_batch_size * cfg.rollout.n / ranks
-        rollout["KV cache (HF engine)"] = rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens) * kv_token
+        rows = min(rows, cfg.rollout.hf_max_seqs or rows)
+        rollout["KV cache (HF engine)"] = (
+            rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens) * kv_token
+        )
     return Plan(gpu, total, ranks, (Phase("rollout", rollout), Phase("update", update)), kv_sequences)
 
 
 # What `mmrl train` suggests, in this order, when a run does not fit: the anchors' proven settings first.
 REMEDIES: tuple[tuple[str, Any], ...] = (
     ("model.gradient_checkpointing", True),
+    ("rollout.hf_max_seqs", 64),
+    ("actor.micro_batch_size", 2),
     ("actor.micro_batch_size", 1),
     ("rollout.vllm.gpu_memory_utilization", 0.5),
     ("actor.offload", True),
@@ -250,51 +297,74 @@ REMEDIES: tuple[tuple[str, Any], ...] = (
 
 
 def what_fits(cfg: Config, shape: ModelShape, gpu: str, gpu_bytes: float | None = None) -> list[str]:
-    """The fewest of `REMEDIES` (in order) under which the run fits, as `key=value` overrides; [] if none."""
-    chosen: list[str] = []
-    trial = cfg.model_copy(deep=True)
+    """The `REMEDIES` that make the run fit, as `key=value` overrides, each kept only where it lowers the
+    peak (a later value of the same key replaces the earlier); [] if even all of them do not fit."""
+    chosen: dict[str, Any] = {}
+    trial = cfg
+    peak = plan_memory(trial, shape, gpu, gpu_bytes).peak.total
     for key, value in REMEDIES:
         section, _, name = key.rpartition(".")
-        owner = trial
+        candidate = trial.model_copy(deep=True)
+        owner = candidate
         for part in section.split("."):
             owner = getattr(owner, part)
-        if getattr(owner, name) == value or (name == "gpu_memory_utilization" and getattr(owner, name) <= value):
-            continue
         setattr(owner, name, value)
-        chosen.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
-        if plan_memory(trial, shape, gpu, gpu_bytes).fits:
-            return chosen
+        plan = plan_memory(candidate, shape, gpu, gpu_bytes)
+        if plan.peak.total < peak:
+            trial, peak, chosen[key] = candidate, plan.peak.total, value
+            if plan.fits:
+                return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in chosen.items()]
     return []
 
 
 def gpu_kind(name: str) -> str:
     """`name` checked against the kinds the planner knows."""
     if name not in GPUS:
-        raise ValueError(f"--gpu {name!r}: the planner knows {', '.join(GPUS)}")
+        from mmrl.errors import ConfigError
+
+        raise ConfigError(f"--gpu {name!r}: the planner knows {', '.join(GPUS)}")
     return name
 
 
 def shape_for(cfg: Config) -> ModelShape:
-    """The shape of `cfg.model.path`: from its config.json (a folder, or a hub id in the local HF cache)."""
-    from mmrl.models import load_config
+    """The shape of `cfg.model.path`: from its config.json (a folder, or a hub id already in the Hugging
+    Face cache), else from the published sizes of a recipe's model (`mmrl.models.published`)."""
+    from huggingface_hub import try_to_load_from_cache
+    from transformers import AutoConfig
 
-    return shape_of(load_config(cfg.model.path), cfg)
+    path = cfg.model.path
+    local = Path(path) / "config.json"
+    cached = None if local.exists() or path.count("/") != 1 else try_to_load_from_cache(path, "config.json")
+    if local.exists() or isinstance(cached, str):
+        config = AutoConfig.from_pretrained(local.parent if local.exists() else Path(cached).parent)
+    else:
+        config = published_config(path)
+    if config is None:
+        raise FileNotFoundError(
+            f"model.path {path!r}: no config.json there or in the Hugging Face cache, and it is not one of the "
+            f"recipes' models the planner knows; fetch its config with `huggingface-cli download {path} config.json`"
+        )
+    return shape_of(config, cfg)
 
 
 def refuse_what_cannot_fit(cfg: Config) -> None:
     """At start on GPUs: stop a run whose larger phase exceeds this GPU's memory, naming what would fit."""
     if not torch.cuda.is_available() or cfg.trainer.torch_device() != "cuda":
         return
+    from mmrl.errors import ConfigError
+
     gpu_bytes = float(torch.cuda.get_device_properties(0).total_memory)
     shape = shape_for(cfg)
     plan = plan_memory(cfg, shape, "this GPU", gpu_bytes)
     if plan.fits:
         return
-    from mmrl.errors import ResourceError
-
     fixes = what_fits(cfg, shape, "this GPU", gpu_bytes)
-    advice = f"set {' '.join(fixes)}" if fixes else "use more GPUs (trainer.n_gpus_per_node) or LoRA (model.lora.rank)"
-    raise ResourceError(
+    advice = (
+        f"set {' '.join(fixes)}"
+        if fixes
+        else "use more GPUs (trainer.n_gpus_per_node) or LoRA (model.lora.rank)"
+    )
+    raise ConfigError(
         f"this run needs {plan.peak.total / GIB:.1f} GiB per GPU at its {plan.peak.name} and the GPU holds "
-        f"{gpu_bytes / GIB:.1f} GiB (`mmrl plan {Path(cfg.run_dir).name}` shows where it goes): {advice}"
+        f"{gpu_bytes / GIB:.1f} GiB (`mmrl plan` with this config shows where it goes): {advice}"
     )

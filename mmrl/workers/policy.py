@@ -73,7 +73,8 @@ class PolicyWorker:
             self.model.to(device)
         self.ref = None
         if needs_reference(cfg) and self.peft is None:
-            ref = load_policy(cfg.model.path, torch.float32).requires_grad_(False).eval()
+            # Frozen, so held in the compute dtype: the values FSDP's mixed precision would gather anyway.
+            ref = load_policy(cfg.model.path, self.compute_dtype).requires_grad_(False).eval()
             self.ref = shard_policy(ref, self.compute_dtype, cfg.actor.offload)
             if not cfg.actor.offload:
                 self.ref.to(device)
@@ -92,7 +93,14 @@ class PolicyWorker:
         if resolve_engine(cfg.rollout.engine) == "vllm" and not cfg.rollout.max_staleness:
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
         else:  # generates with the shards themselves; ranks step together
-            self.engine = HFEngine(self.model, processor, self.compute_dtype, synced_gpus=world_size > 1)
+            # Every rank takes an equal share of the prompts, so all decode the same number of passes.
+            self.engine = HFEngine(
+                self.model,
+                processor,
+                self.compute_dtype,
+                synced_gpus=world_size > 1,
+                max_seqs=cfg.rollout.hf_max_seqs,
+            )
 
     # ------------------------------------------------------------ coarse methods
     def generate(self, prompts: list[PromptSample], params: SamplingParams, seed: int) -> Batch:
