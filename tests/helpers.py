@@ -265,7 +265,7 @@ def assert_scored_like_sampled(model: Any, batch: Batch, pad_id: int) -> None:
     engine sampled it with, and a loss on the policy tokens sends exactly zero gradient to the tokens the
     policy did not write (tool responses, env frames)."""
     from mmrl.algorithms import logprobs_from_logits
-    from mmrl.training.forward import forward_logprobs, response_logits
+    from mmrl.training.forward import forward_logprobs, response_hidden, response_logprobs
 
     policy = batch["response_mask"].bool()
     observation = batch["response_attention"].bool() & ~policy
@@ -274,8 +274,9 @@ def assert_scored_like_sampled(model: Any, batch: Batch, pad_id: int) -> None:
     sampled = batch["rollout_logprobs"]
     assert torch.allclose(logp[policy], sampled[policy], atol=1e-4), (logp - sampled)[policy].abs().max()
     assert (sampled[observation] == 0).all()
-    logits = response_logits(model, batch, pad_id)
-    assert logits.shape[0] == int(policy.sum()), "only the policy's own tokens may reach the LM head"
+    scored, _ = response_logprobs(model, batch, pad_id)
+    assert scored.shape[0] == int(policy.sum()), "only the policy's own tokens may reach the LM head"
+    logits = model.lm_head(response_hidden(model, batch, pad_id)[policy])
     logits.retain_grad()
     (-logprobs_from_logits(logits.float(), batch["response_ids"][policy]).sum()).backward()
     assert (logits.grad.abs().sum(dim=-1) > 0).all()

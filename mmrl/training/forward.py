@@ -28,7 +28,10 @@ from mmrl.training.packing import pack, unpack
 from mmrl.training.segments import PLAN, SegmentPlan, segment_attention
 from mmrl.training.shared_prompt import packed_media, shared_prompt_hidden, shared_prompts
 
-SHARDED_LOGITS = "mmrl_response_logits"  # the method name `response_logits` looks for on a sharded policy
+SHARDED_LOGPROBS = "mmrl_response_logprobs"  # the method `response_logprobs` looks for on a sharded policy
+# Logits computed at once by `head_logprobs` (2**27: 512 MB per fp32 copy; 883 tokens at a 152 k vocabulary).
+LOGIT_CHUNK_ELEMENTS = 2**27
+LOGIT_CHUNK_MIN_TOKENS = 64
 
 
 def response_hidden(
@@ -119,32 +122,90 @@ def packed_hidden(
         return media.tied(unpack(family.hidden_states(*args, attention_kwargs={PLAN: plan}), packed))
 
 
-def response_logits(
+def response_logprobs(
     model: Any,
     batch: Batch,
     pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool | Literal["grad"] = False,
     router_losses: list[torch.Tensor] | None = None,
     padding_free: bool = False,
-) -> torch.Tensor:
-    """LM-head logits (N, V) at the N scored response positions (`response_mask`), in row order.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N,) of the N scored response tokens (`response_mask`), in row order, and optionally
+    their entropies.
 
     Padding and a multi-turn row's tool responses are never scored, so their (B, T, V) logits, and the
     softmaxes over them forward and backward, would be work thrown away: in an agent's batch, most of it.
     A policy sharded with FSDP2 carries this computation as a registered forward method
     (`mmrl.workers.fsdp.shard_policy`), so its shards are gathered around it and its gradients
     reduced after it, as for `forward` itself."""
-    sharded = getattr(model, SHARDED_LOGITS, None)
+    sharded = getattr(model, SHARDED_LOGPROBS, None)
     if sharded is not None:
-        return sharded(batch, pad_id, router_losses, padding_free)
-    return scored_logits(model, batch, pad_id, router_losses, padding_free)
+        return sharded(batch, pad_id, temperature, with_entropy, router_losses, padding_free)
+    return scored_logprobs(model, batch, pad_id, temperature, with_entropy, router_losses, padding_free)
 
 
-def scored_logits(
-    model: Any, batch: Batch, pad_id: int, router_losses: list | None = None, padding_free: bool = False
-) -> torch.Tensor:
-    """`response_logits` on an unsharded model (or inside the sharded one's registered method)."""
+def scored_logprobs(
+    model: Any,
+    batch: Batch,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool | Literal["grad"] = False,
+    router_losses: list | None = None,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs` on an unsharded model (or inside the sharded one's registered method)."""
     hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
-    return model.lm_head(hidden[batch["response_mask"].to(hidden.device).bool()])
+    scored = batch["response_mask"].to(hidden.device).bool()
+    labels = batch["response_ids"].to(hidden.device)[scored]
+    return head_logprobs(
+        model.lm_head, hidden[scored], labels, temperature, never_generated_ids(model.config), with_entropy
+    )
+
+
+def logit_chunk(vocab: int) -> int:
+    """Scored tokens whose logits are computed at once: about `LOGIT_CHUNK_ELEMENTS` logits."""
+    return max(LOGIT_CHUNK_MIN_TOKENS, LOGIT_CHUNK_ELEMENTS // vocab)
+
+
+def head_logprobs(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    blocked: list[int],
+    with_entropy: bool | Literal["grad"] = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer over `hidden` (N, H): log-probs of `labels` (N,) at `temperature`, with `blocked`
+    ids never sampled, and optionally entropies.
+
+    Each logit is computed in the compute dtype and then handled in fp32, where its log-softmax, its
+    entropy's terms and its gradient make about six (N, V) fp32 copies: 30 GB for 4 x 2,048 responses
+    over a 152 k vocabulary. So beyond `logit_chunk` tokens the output layer runs chunk by chunk under
+    activation checkpointing: a chunk's logits exist only while its log-probs are taken, forward and
+    (recomputed) backward, and only the hidden states are kept in between."""
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = block_tokens(head(h).float() / temperature, blocked)
+        logp = logprobs_from_logits(logits, y)
+        if with_entropy == "grad":
+            return logp, entropy_from_logits(logits)
+        if with_entropy:
+            with torch.no_grad():
+                return logp, entropy_from_logits(logits.detach())
+        return logp, None
+
+    chunk = logit_chunk(head.out_features)
+    if len(hidden) <= chunk:
+        return piece(hidden, labels)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [
+        checkpoint(piece, h, y, use_reentrant=False)
+        for h, y in zip(hidden.split(chunk), labels.split(chunk), strict=True)
+    ]
+    entropy = torch.cat([e for _, e in parts]) if with_entropy else None
+    return torch.cat([logp for logp, _ in parts]), entropy
 
 
 def forward_logprobs(
@@ -170,17 +231,11 @@ def forward_logprobs(
             hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
         return chunk_logprobs(head, hidden, batch, temperature, with_entropy)
     with autocast_for(model, compute_dtype):
-        logits = response_logits(model, batch, pad_id, router_losses, padding_free).float() / temperature
-        logits = block_tokens(logits, never_generated_ids(model.config))
-    scored = batch["response_mask"].to(logits.device).bool()
-    logp = _rows(scored, logprobs_from_logits(logits, batch["response_ids"].to(logits.device)[scored]))
-    entropy = None
-    if with_entropy == "grad":
-        entropy = _rows(scored, entropy_from_logits(logits))
-    elif with_entropy:
-        with torch.no_grad():
-            entropy = _rows(scored, entropy_from_logits(logits.detach()))
-    return logp, entropy
+        logp, entropy = response_logprobs(
+            model, batch, pad_id, temperature, with_entropy, router_losses, padding_free
+        )
+    scored = batch["response_mask"].to(logp.device).bool()
+    return _rows(scored, logp), None if entropy is None else _rows(scored, entropy)
 
 
 def chunk_logprobs(

@@ -119,7 +119,8 @@ def shape_of(config: Any, cfg: Config) -> ModelShape:
 ACT_HIDDEN, ACT_INTERMEDIATE, ACT_ATTENTION, ACT_HIDDEN_FP32 = 1.5, 3.0, 1.5, 7.0
 # fp32 (N, V) copies alive at the update's peak per scored response token besides the output layer's own
 # (N, V) in the compute dtype: the fp32 cast, the temperature's division, the blocked ids, the
-# log-softmax, the entropy's terms and the gradient that flows back (measured: 6).
+# log-softmax, the entropy's terms and the gradient that flows back (measured: 6). Beyond one chunk of
+# tokens the output layer runs chunk by chunk (`mmrl.training.forward.head_logprobs`).
 LOGIT_COPIES = 6.0
 
 
@@ -202,8 +203,11 @@ def tower_bytes(shape: ModelShape, patches: int, compute: int, checkpointing: bo
 
 
 def logit_bytes(shape: ModelShape, scored_tokens: int, compute: int) -> float:
-    """The output layer's (N, V) logits at the scored response positions and their fp32 copies."""
-    return scored_tokens * shape.vocab * (compute + 4 * LOGIT_COPIES)
+    """The output layer's (N, V) logits at the scored response positions and their fp32 copies, for at most
+    one chunk of `mmrl.training.forward.logit_chunk` tokens at a time."""
+    from mmrl.training.forward import logit_chunk
+
+    return min(scored_tokens, logit_chunk(shape.vocab)) * shape.vocab * (compute + 4 * LOGIT_COPIES)
 
 
 def micro_batch_tokens(cfg: Config) -> tuple[int, int]:
