@@ -1,4 +1,5 @@
-"""Wall time per phase of a training step, reported with throughput and host memory."""
+"""Wall time per phase of a training step, reported with throughput, host memory and, on a GPU, the most
+GPU memory each phase held."""
 
 from __future__ import annotations
 
@@ -12,27 +13,44 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mmrl.run.logger import peak_rss_gb
 
 
 class PhaseTimer:
-    """Seconds per phase (`with timer("rollout"): ...`), added up when a phase repeats, as timing/<phase>."""
+    """Seconds per phase (`with timer("rollout"): ...`), added up when a phase repeats, as timing/<phase>;
+    where this process computes on a GPU, the phase's peak of allocated GPU memory as
+    memory/gpu_peak_gib/<phase> (what `mmrl plan` predicts, minus the CUDA context)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.gpu_peaks: dict[str, float] = {}
+        self.depth = 0  # a phase inside another keeps the outer one's peak (no reset)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if gpu and not self.depth:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        yield
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+        if gpu:
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.gpu_peaks[phase] = max(self.gpu_peaks.get(phase, 0.0), peak)
 
     def metrics(self, tokens: int, heap: HeapRelease | None = None) -> dict[str, float]:
         """The step's timings, throughput and host memory; with `heap`, freed heap pages first go back to
         the OS when enough have piled up (`HeapRelease`), so that the memory reported is what is held."""
         total = time.perf_counter() - self.start
         out = {f"timing/{k}": v for k, v in self.phases.items()}
+        out.update({f"memory/gpu_peak_gib/{k}": v for k, v in self.gpu_peaks.items()})
         out["timing/step"] = total
         out["throughput/tokens_per_s"] = tokens / total
         out["memory/peak_rss_gb"] = peak_rss_gb()
