@@ -210,10 +210,16 @@ def logit_bytes(shape: ModelShape, scored_tokens: int, compute: int) -> float:
     return min(scored_tokens, logit_chunk(shape.vocab)) * shape.vocab * (compute + 4 * LOGIT_COPIES)
 
 
-def micro_batch_tokens(cfg: Config) -> tuple[int, int]:
-    """(tokens, scored response tokens) of the largest micro-batch the config allows."""
+def micro_batch_rows(cfg: Config, ranks: int) -> int:
+    """Rows of the largest micro-batch: `actor.micro_batch_size`, or a rank's whole mini-batch if smaller."""
+    return max(1, min(cfg.actor.micro_batch_size, cfg.actor.mini_batch_size * cfg.rollout.n // ranks))
+
+
+def micro_batch_tokens(cfg: Config, ranks: int) -> tuple[int, int]:
+    """(tokens, scored response tokens) of the largest micro-batch the config allows: every row at the
+    longest prompt and response (a shared prompt, computed once per group, is not counted on)."""
     prompt, response = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-    rows = cfg.actor.micro_batch_size
+    rows = micro_batch_rows(cfg, ranks)
     if cfg.actor.max_tokens_per_micro_batch:
         budget = cfg.actor.max_tokens_per_micro_batch
         return budget, min(budget, rows * response)
@@ -246,7 +252,7 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: str, gpu_bytes: float | Non
         if needed:  # a second full model, trained like the actor (the critic's value head is negligible)
             state[name] = 0.0 if offload else 16 * shape.params / ranks
     state["CUDA, NCCL, allocator"] = GPU_OVERHEAD
-    tokens, scored = micro_batch_tokens(cfg)
+    tokens, scored = micro_batch_tokens(cfg, ranks)
     update = dict(state)
     sharded = ranks > 1 or offload
     if sharded:  # FSDP: one unit gathered and the next prefetched, the root for the whole forward
@@ -263,8 +269,11 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: str, gpu_bytes: float | Non
     if shape.vision_layers and not (
         cfg.model.freeze_vision_tower or (lora and not cfg.model.lora.include_vision)
     ):
-        # Each row of a micro-batch may bring its own largest image (a frozen tower saves nothing).
-        patches = cfg.actor.micro_batch_size * cfg.data.max_pixels // shape.patch_size**2
+        # The tower encodes each distinct prompt's images once: a micro-batch of a group's rows spans at
+        # most two groups' prompts (a frozen tower saves nothing).
+        rows = micro_batch_rows(cfg, ranks)
+        images = min(rows, -(-rows // cfg.rollout.n) + 1)
+        patches = images * cfg.data.max_pixels // shape.patch_size**2
         early["vision tower activations"] = tower_bytes(
             shape, patches, compute, cfg.model.gradient_checkpointing
         )
