@@ -21,6 +21,7 @@ import torch
 from helpers import BUDGET
 from PIL import Image
 from torch.nn import functional as F
+from torch.nn.attention.bias import CausalBias
 
 from mmrl.data.sample import PromptSample
 from mmrl.models import load_policy, load_processor
@@ -57,6 +58,8 @@ def attention_calls() -> Iterator[list[tuple[int, int, str]]]:
     def spy(query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
         seen.append((query.shape[-2], key.shape[-2], str(dtype).removeprefix("torch.")))
+        if isinstance(kwargs.get("attn_mask"), CausalBias):  # it dispatches only under SDPA's own name
+            kwargs["attn_mask"] = kwargs["attn_mask"]._materialize(query.device)
         return real(query, key, *args, **kwargs)
 
     with mock.patch.object(F, "scaled_dot_product_attention", spy):

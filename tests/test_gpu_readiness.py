@@ -262,3 +262,19 @@ def test_the_output_layer_in_chunks_under_fsdp2(monkeypatch, tiny_model_dir) -> 
     assert torch.allclose(logp, whole[0], atol=1e-5) and torch.allclose(entropy, whole[1], atol=1e-5)
     assert grads.keys() == whole[2].keys()
     assert all(torch.allclose(grads[n], whole[2][n], atol=1e-5) for n in whole[2])
+
+
+def test_the_packed_attention_mask_is_a_lower_right_causal_bias() -> None:
+    """Item 10: a segment that continues a shared prompt attends the whole context and itself causally.
+    As a boolean mask that left CUDA only the math kernel (flash refuses masks; memory-efficient refuses
+    them with grouped-query attention); as PyTorch's lower-right `CausalBias` both kernels take it. On a
+    CPU PyTorch materialises the same mask as before."""
+    from torch.nn.attention.bias import CausalBias
+
+    from mmrl.training.segments import _Run
+
+    run = _Run(start=5, count=2, width=3, context=(range(0, 4),), device="cpu")
+    assert isinstance(run.mask, CausalBias)
+    dense = torch.cat([torch.ones(3, 4, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool).tril()], 1)
+    assert torch.equal(run.mask._materialize("cpu"), dense)
+    assert _Run(start=0, count=1, width=4, context=(), device="cpu").mask is None  # plain causal

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -59,8 +60,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: 
     if not _must_widen(query):
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
     dtype, mask = _attends_in(query), kwargs.get("attn_mask")
-    if mask is not None and mask.is_floating_point():
-        kwargs["attn_mask"] = mask.float()
+    if mask is not None and not isinstance(mask, CausalBias) and mask.is_floating_point():
+        kwargs["attn_mask"] = mask.float()  # a `CausalBias` (a shape, no values) goes as it is
     with torch.autocast("cpu", enabled=False):
         return F.scaled_dot_product_attention(query.float(), key.float(), value.float(), **kwargs).to(dtype)
 

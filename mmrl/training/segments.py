@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -93,12 +94,11 @@ class _Run:
         self.start, self.count, self.width, self.context = start, count, width, context
         before = [c for r in context for c in r]
         self.before = torch.tensor(before, device=device) if before else None
-        self.mask = None
-        if before:
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            self.mask = torch.cat(
-                [torch.ones(width, len(before), dtype=torch.bool, device=device), causal], 1
-            )
+        # Each column sees the whole context and its own segment up to itself: causal aligned to the last
+        # key (lower right). As a `CausalBias` rather than a boolean mask, CUDA's flash and memory-efficient
+        # kernels take it (grouped-query attention included); a dense mask would leave only the math
+        # kernel and its fp32 (width x keys) probabilities. Elsewhere PyTorch builds the same mask itself.
+        self.mask = causal_lower_right(width, len(before) + width) if before else None
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The run's columns of x (1, heads, N, dim) as a batch (count, heads, width, dim)."""
