@@ -11,7 +11,8 @@ Each check runs what a GPU user runs and says ok, FAIL (with the error's last li
 - flash_attention: whether flash-attn's varlen kernels are installed (mmrl attends with SDPA today).
 
 `--dry` runs the same code on the CPU with tiny models, so it cannot rot before a GPU is lent
-(`tests/test_gpu_smoke.py`). About 5 minutes on one H100 (most of it building and loading the 3B model).
+(`tests/test_gpu_smoke.py`). Estimated at about 5 minutes on one H100 (most of it building and loading
+the 3B model); not yet run on one.
 
     python bench/gpu_smoke.py            # on the GPU machine
     python bench/gpu_smoke.py --dry      # anywhere
