@@ -84,6 +84,13 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _config_show(args: argparse.Namespace) -> int:
+    if args.doc is not None:
+        from mmrl.config.reference import describe
+
+        print(describe(args.doc))
+        return 0
+    if args.config is None:
+        raise ConfigError("mmrl config show needs a CONFIG (a file or a recipe's name), or --doc KEY")
     print(dump_config(_load(args)), end="")
     return 0
 
@@ -258,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="action", required=True)
     show = config.add_parser("show", help="print the resolved, validated config")
-    show.add_argument("config")
+    show.add_argument("config", nargs="?")
     show.add_argument("overrides", nargs="*", default=[])
+    show.add_argument("--doc", metavar="KEY", help="print one key's type, default, allowed values and doc")
     show.set_defaults(func=_config_show)
 
     plan = sub.add_parser(

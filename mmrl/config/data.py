@@ -15,7 +15,9 @@ class DataConfig(Section):
         description="jsonl/json/parquet/arrow files, dataset folders (save_to_disk or split files), "
         "or FOLDER@SPLIT; required unless an env section makes episodes the data",
     )
-    val_files: list[str] = Field([])
+    val_files: list[str] = Field(
+        [], description="Validation files or FOLDER@SPLIT, in the formats of train_files"
+    )
     image_dir: str | None = Field(
         None, description="Base folder for relative image paths (default: the file's, or the named folder)"
     )
@@ -30,7 +32,7 @@ class DataConfig(Section):
     answer_key: str | None = Field(
         None, description="Ground-truth column (default: answer, or reward_model.ground_truth for verl)"
     )
-    image_key: str = "images"
+    image_key: str = Field("images", description="Column holding each row's images")
     video_key: str = Field(
         "videos",
         description="Column of videos: a path, bytes or {bytes|path}, or a list of them; <video> marks each",
@@ -44,8 +46,10 @@ class DataConfig(Section):
     max_prompt_length: int = Field(
         1024, gt=0, description="Tokens, images included; longer prompts are skipped"
     )
-    min_pixels: int = Field(28 * 28, gt=0)
-    max_pixels: int = Field(1024 * 28 * 28, gt=0)
+    min_pixels: int = Field(28 * 28, gt=0, description="Images are resized up to at least this many pixels")
+    max_pixels: int = Field(
+        1024 * 28 * 28, gt=0, description="Images are resized down to at most this many pixels"
+    )
     video_fps: float = Field(2.0, gt=0, description="Frames sampled per second of video")
     video_max_frames: int = Field(
         32, gt=0, description="At most this many frames per video (a multiple of 2)"
@@ -61,8 +65,10 @@ class DataConfig(Section):
         description="Prompts per training step (with an env: initial states, each run rollout.n times)",
     )
     val_batch_size: int = Field(64, gt=0, description="Prompts per validation generation call")
-    max_val_samples: int | None = Field(None, gt=0)
-    shuffle: bool = True
+    max_val_samples: int | None = Field(
+        None, gt=0, description="Validate on the first N rows only; None: all"
+    )
+    shuffle: bool = Field(True, description="Shuffle the training rows each epoch")
     streaming: bool = Field(
         False,
         description="Read train_files one row at a time as training goes, without converting or caching "

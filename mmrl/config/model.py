@@ -14,8 +14,8 @@ class LoraConfig(Section):
     the adapter switched off, so no second copy of the weights is held."""
 
     rank: int = Field(0, ge=0, description="0 trains all weights (full fine-tuning)")
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: updates are scaled by alpha/rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input")
     target_modules: list[str] | None = Field(
         None,
         description="Linear layer names (q_proj, ...); default: every linear layer of the language model",
@@ -32,7 +32,9 @@ class ModelConfig(Section):
         description="Compute dtype. auto: bf16 on GPUs and on CPUs with bf16 instructions (AVX-512 BF16, "
         "AMX), fp32 elsewhere",
     )
-    freeze_vision_tower: bool = False
+    freeze_vision_tower: bool = Field(
+        False, description="Train the language model only; the vision tower's weights stay"
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute layer activations in the backward pass: less memory, about 30% more time",

@@ -13,8 +13,8 @@ class RewardFunctionConfig(Section):
     """One reward function; an `async def` one is detected and its calls in a batch run concurrently."""
 
     name: str = Field(description="A built-in grader's short name, or path/to/file.py:function")
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field({})
+    weight: float = Field(1.0, description="Weight of this function in the summed score")
+    kwargs: dict[str, Any] = Field({}, description="Keyword arguments passed to the function")
     batched: bool | None = Field(
         None,
         description="Called once per batch with list[RewardInput], returning one score per sample; "
@@ -36,7 +36,7 @@ class RewardConfig(Section):
         "one score, not the run; inline: in the trainer's process (trusted code only). Built-in graders "
         "run in-process either way",
     )
-    num_workers: int = Field(2, gt=0)
+    num_workers: int = Field(2, gt=0, description="Worker processes for isolation: process")
     max_all_failed_steps: int = Field(
         3,
         ge=0,

@@ -12,22 +12,24 @@ from mmrl.config.base import Section
 class SamplingConfig(Section):
     n: int = Field(1, gt=0, description="Responses per prompt")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling: the smallest token set with this mass"
+    )
     top_k: int = Field(-1, description="-1 disables top-k")
 
 
 class ValSamplingConfig(SamplingConfig):
     """Validation sampling: greedy, one answer per prompt, unless set otherwise."""
 
-    n: int = Field(1, gt=0)
-    temperature: float = Field(0.0, ge=0.0)
+    n: int = Field(1, gt=0, description="Answers per validation prompt (pass@k needs k)")
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy")
 
 
 class VLLMConfig(Section):
     """The vLLM engine (rollout.engine=vllm): colocated with training in the same process."""
 
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Share of GPU memory vLLM may take")
-    max_num_batched_tokens: int = Field(8192, gt=0)
+    max_num_batched_tokens: int = Field(8192, gt=0, description="vLLM's token budget per scheduler step")
     max_model_len: int = Field(4096, gt=0, description="Prompt + response tokens per sequence")
     enforce_eager: bool = Field(False, description="Skip CUDA graphs: slower decoding, faster start")
     tensor_parallel_size: int = Field(
@@ -56,9 +58,11 @@ class RolloutConfig(Section):
     )
     vllm: VLLMConfig = VLLMConfig()
     n: int = Field(5, gt=0, description="Responses per prompt (the GRPO group size)")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 means greedy")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling: the smallest token set with this mass"
+    )
+    top_k: int = Field(-1, description="-1 disables top-k")
     max_new_tokens: int = Field(512, gt=0, description="Response length budget in tokens")
     hf_max_seqs: int | None = Field(
         None,

@@ -10,9 +10,9 @@ from mmrl.config.base import Section
 
 
 class TrainerConfig(Section):
-    total_steps: int = Field(100, gt=0)
+    total_steps: int = Field(100, gt=0, description="Training steps of the run")
     val_every: int = Field(10, ge=0, description="0 disables periodic validation")
-    val_before_train: bool = True
+    val_before_train: bool = Field(True, description="Validate once before the first step")
     stop_at: dict[str, float] = Field(
         {},
         description="Validation targets, e.g. {val/accuracy: 0.9}: the run ends, saved as at its last step, "
@@ -25,21 +25,23 @@ class TrainerConfig(Section):
         "above the metric's value in the validation before training",
     )
     save_every: int = Field(0, ge=0, description="0 saves only at the end")
-    keep_checkpoints: int = Field(2, gt=0)
+    keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept; older ones are deleted")
     max_consecutive_bad_steps: int = Field(
         3,
         gt=0,
         description="Steps in a row whose every update had a non-finite gradient before the run stops "
         "(after saving the last good state)",
     )
-    output_dir: str = "runs/{experiment_name}"
-    experiment_name: str = "mmrl"
-    device: str = "auto"
-    seed: int = 1
-    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
-        ["console", "jsonl", "tensorboard"]
+    output_dir: str = Field(
+        "runs/{experiment_name}", description="Where the run writes; {experiment_name} is filled in"
     )
-    progress: bool = True
+    experiment_name: str = Field("mmrl", description="The run's name in logs and output_dir")
+    device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu or cuda")
+    seed: int = Field(1, description="Seed of data order, sampling and initialisation")
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
+        ["console", "jsonl", "tensorboard"], description="Where metrics go"
+    )
+    progress: bool = Field(True, description="Show a progress bar on the console")
     gallery_samples: int = Field(32, ge=0, description="Validation samples per gallery page; 0 writes none")
     nnodes: int = Field(1, gt=0, description="Nodes of the Ray cluster that run actor workers")
     n_gpus_per_node: int = Field(
@@ -48,7 +50,7 @@ class TrainerConfig(Section):
         description="Actor workers per node, one GPU each; on machines without GPUs each takes "
         "trainer.cpus_per_worker CPU cores. nnodes x n_gpus_per_node > 1 trains with FSDP2 across Ray workers",
     )
-    cpus_per_worker: int = Field(1, gt=0)
+    cpus_per_worker: int = Field(1, gt=0, description="CPU cores of each Ray actor worker")
     ray_address: str | None = Field(
         None,
         description="Join a running Ray cluster ('auto', or the head's host:port from `ray start --head`); "

@@ -17,15 +17,19 @@ KLEstimatorName = Literal[
 class KLControlConfig(Section):
     """β for the KL reward penalty: fixed, or adapted towards `target_kl` (Ziegler et al. 2019)."""
 
-    type: Literal["fixed", "adaptive"] = "fixed"
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed β, or adapted towards target_kl")
     kl_coef: float = Field(0.001, ge=0, description="β, or its starting value when adaptive")
     target_kl: float = Field(0.1, gt=0, description="Adaptive only: the KL β steers towards")
     horizon: int = Field(10000, gt=0, description="Adaptive only: samples over which β may change ~e-fold")
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
+    adv_estimator: str = Field(
+        "grpo", description="An advantage estimator's name (the algorithms page), or path/to/file.py:function"
+    )
+    norm_adv_by_std: bool = Field(
+        True, description="Divide group-relative advantages by the group's std (false: Dr. GRPO)"
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens")
     lam: float = Field(
         1.0,
@@ -61,10 +65,12 @@ class AlgorithmConfig(Section):
     overlong_buffer_len: int = Field(
         0, ge=0, description="DAPO soft overlong punishment over the last N tokens; 0 disables"
     )
-    overlong_penalty_factor: float = Field(1.0, ge=0)
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="The overlong punishment's largest penalty, reached at max_new_tokens"
+    )
     mask_truncated: bool = Field(False, description="Leave responses cut at max_new_tokens out of the loss")
     use_kl_in_reward: bool = Field(False, description="Charge −β·KL(π_old ‖ π_ref) as a token reward")
-    kl_penalty: KLEstimatorName = "k1"
+    kl_penalty: KLEstimatorName = Field("k1", description="KL estimator of use_kl_in_reward")
     kl_ctrl: KLControlConfig = KLControlConfig()
     policy_filtration: str | None = Field(
         None,
@@ -106,17 +112,19 @@ class OptimSection(Section):
     """AdamW and its schedule: linear warm-up over `warmup_steps` optimizer steps, then constant
     or cosine decay to `min_lr_ratio`·lr."""
 
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate")
+    weight_decay: float = Field(1e-2, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up")
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warm-up: constant, or cosine decay"
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Clip each step's gradient norm to this")
 
 
 class ActorConfig(OptimSection):
-    ppo_epochs: int = Field(1, gt=0)
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch")
     mini_batch_size: int = Field(8, gt=0, description="Prompts per optimizer step (each with n responses)")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward pass")
     max_tokens_per_micro_batch: int | None = Field(
@@ -136,7 +144,9 @@ class ActorConfig(OptimSection):
         "least 256 wide and gradient checkpointing is off (its re-run forward would need transformers' dense "
         "mask); true refuses a family that cannot pack",
     )
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = Field(
+        "ppo_clip", description="A policy loss's name (the algorithms page), or path/to/file.py:function"
+    )
     rollout_correction: str | None = Field(
         None,
         description="Correct for the engine that sampled not being the trainer's old policy (vLLM's "
@@ -151,7 +161,9 @@ class ActorConfig(OptimSection):
     clip_ratio_high: float = Field(
         0.28, ge=0, description="ε_high, as clip_ratio_low (gmpo's paper: 0.4 both)"
     )
-    clip_ratio_c: float = Field(3.0, gt=1.0)
+    clip_ratio_c: float = Field(
+        3.0, gt=1.0, description="dual_clip: the lower bound on negative-advantage ratios"
+    )
     tau_pos: float = Field(1.0, gt=0, description="sapo: the gate's temperature for positive advantages")
     tau_neg: float = Field(
         1.05, gt=0, description="sapo: the temperature for the others (the paper fades them faster: 1.05)"
@@ -171,11 +183,11 @@ class ActorConfig(OptimSection):
         description="VAPO's μ: weight of the language-model loss (NLL) on responses with a positive "
         "score, added to the policy loss (VAPO: 0.1); 0: off",
     )
-    loss_agg_mode: LossAggMode = "token-mean"
-    use_kl_loss: bool = True
-    kl_loss_coef: float = Field(0.01, ge=0)
-    kl_loss_type: KLEstimatorName = "low_var_kl"
-    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How token losses are averaged into one")
+    use_kl_loss: bool = Field(True, description="Add β·KL(π ‖ π_ref) to the loss")
+    kl_loss_coef: float = Field(0.01, ge=0, description="β of the KL loss")
+    kl_loss_type: KLEstimatorName = Field("low_var_kl", description="KL estimator of the KL loss")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight; 0: off")
     router_aux_loss_coef: float = Field(
         0.0,
         ge=0,
@@ -226,10 +238,10 @@ class CriticConfig(OptimSection):
     model_path: str | None = Field(
         None, description="Where its trunk starts; default: the policy's start (after any format warm-up)"
     )
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, description="The critic's learning rate")
     ppo_epochs: int | None = Field(None, gt=0, description="Default: actor.ppo_epochs")
     cliprange_value: float = Field(0.5, gt=0, description="PPO value clipping: V moves at most this far")
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How token value losses are averaged")
     pretrain_steps: int = Field(
         0,
         ge=0,
@@ -264,10 +276,12 @@ class WarmupConfig(Section):
     """Supervised format warm-up: targets are answers shuffled across rows, so the model learns
     the answer *format* and answer vocabulary, never the image-to-answer mapping."""
 
-    steps: int = Field(0, ge=0)
-    lr: float = Field(1e-3, gt=0)
-    batch_size: int = Field(32, gt=0)
-    target_template: str = "<answer>{answer}</answer>"
+    steps: int = Field(0, ge=0, description="Supervised steps before RL; 0: no warm-up")
+    lr: float = Field(1e-3, gt=0, description="The warm-up's learning rate")
+    batch_size: int = Field(32, gt=0, description="Rows per warm-up step")
+    target_template: str = Field(
+        "<answer>{answer}</answer>", description="Each target's text; {answer} is a shuffled answer"
+    )
     turns: list[str] | None = Field(
         None,
         description="Agent runs: the assistant turns of each warm-up trajectory, in order; their tool calls "

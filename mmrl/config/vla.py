@@ -83,8 +83,8 @@ class SftConfig(OptimSection):
     flow_steps: int = Field(4, gt=0, description="flow: denoising (Euler) steps per chunk")
     flow_width: int = Field(64, gt=0, description="flow: the action expert's width (its 2 layers, 4 heads)")
     steps: int = Field(300, gt=0, description="Optimizer steps (the schedule's length)")
-    lr: float = Field(1e-3, gt=0)
-    batch_size: int = Field(64, gt=0)
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate")
+    batch_size: int = Field(64, gt=0, description="Demo frames per step")
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip each step's gradient norm; None: no clipping"
     )
