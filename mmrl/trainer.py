@@ -17,11 +17,11 @@ from transformers import AutoConfig
 
 from mmrl.config import Config
 from mmrl.data.batch import response_metrics, token_count
-from mmrl.errors import CheckpointError, ConfigError, NumericalError, RewardError, RolloutError, WorkerError
+from mmrl.errors import CheckpointError, NumericalError, RewardError, RolloutError, WorkerError
 from mmrl.models import load_processor, tokenizer_of
 from mmrl.run import checkpoint as ckpt
 from mmrl.run.lock import RunLock
-from mmrl.run.logger import MetricsLogger, plot_reward_curve, read_metrics
+from mmrl.run.logger import MetricsLogger, plot_reward_curve
 from mmrl.run.progress import TrainingProgress
 from mmrl.run.resume import (
     check_resume,
@@ -31,9 +31,11 @@ from mmrl.run.resume import (
     truncate_metrics,
 )
 from mmrl.run.signals import RunInterrupted, StopSignals
+from mmrl.run.targets import StopTargets
 from mmrl.run.timing import HeapRelease, PhaseTimer
 from mmrl.sources.base import RolloutSource, StepContext
 from mmrl.sources.build import source_from_config
+from mmrl.training.actor import update_actor
 from mmrl.training.critic import critic_plan, update_critic
 from mmrl.training.prm import train_and_score
 from mmrl.workers.placement import Policy, place_policy
@@ -101,7 +103,7 @@ class Trainer:
         self.step = 0
         self.heap = HeapRelease()  # freed heap pages back to the OS when they pile up
         self.resumed_from: Path | None = None
-        self.baseline: dict[str, Any] | None = None  # the validation before training
+        self.targets = StopTargets(cfg.trainer, self.logger.jsonl, self.console)
         # A run of steps whose every update was skipped (non-finite gradients): how many, and the
         # state before the first of them, which `_check_numerics` saves if the run must stop.
         self.bad_steps = 0
@@ -137,8 +139,8 @@ class Trainer:
             with self._worker_errors():
                 baseline = self.source.validate(self._context(PhaseTimer()))
                 self.logger.log(0, baseline)
-                self.baseline = baseline
-                self._targets_reached(baseline)  # a target this validation lacks fails before any training
+                self.targets.baseline = baseline
+                self.targets.reached(0, baseline)  # a target this validation lacks fails before any training
             progress.validated(0, baseline)
         with progress, StopSignals() as stop:
             reached = False
@@ -149,7 +151,7 @@ class Trainer:
                     metrics = self.train_step()
                     if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
                         metrics.update(self.source.validate(self._context(PhaseTimer())))
-                        reached = self._targets_reached(metrics)
+                        reached = self.targets.reached(self.step, metrics)
                     self.logger.log(self.step, metrics)
                     self._check_numerics(metrics, before)
                     self._save_if_due(final=reached)
@@ -162,42 +164,6 @@ class Trainer:
         self.logger.close()
         self.source.close()
         return {"run_dir": str(self.run_dir), "steps": self.step}
-
-    def _targets_reached(self, validation: dict[str, Any]) -> bool:
-        """Whether a validation after training steps meets every `trainer.stop_at` target and every
-        `trainer.stop_at_gain` rise over the step-0 validation (never, without targets; never at step 0,
-        so a run always trains)."""
-        cfg = self.cfg.trainer
-        missing = sorted((set(cfg.stop_at) | set(cfg.stop_at_gain)) - set(validation))
-        if missing:
-            found = sorted(k for k in validation if k.startswith("val/"))
-            raise ConfigError(
-                f"trainer.stop_at names {missing}, which this run's validation does not report; it reports "
-                f"{', '.join(found) or 'nothing'}"
-            )
-        if self.step == 0:
-            return False
-        targets = dict(cfg.stop_at)
-        for name, gain in cfg.stop_at_gain.items():
-            targets[name] = max(targets.get(name, -float("inf")), self._baseline()[name] + gain)
-        if not targets or not all(validation[name] >= value for name, value in targets.items()):
-            return False
-        met = ", ".join(f"{name} {validation[name]:.3g} >= {value:.3g}" for name, value in targets.items())
-        self.console.print(f"step {self.step}: {met} (trainer.stop_at): the run ends here", markup=False)
-        return True
-
-    def _baseline(self) -> dict[str, Any]:
-        """The validation before training, which `trainer.stop_at_gain` counts from (a resumed run reads
-        it from its metrics log)."""
-        if self.baseline is None:
-            first = read_metrics(self.logger.jsonl)[:1]
-            if not first or first[0]["step"] != 0:
-                raise ConfigError(
-                    f"trainer.stop_at_gain counts from the validation before training, which "
-                    f"{self.logger.jsonl} does not hold: drop trainer.stop_at_gain or use trainer.stop_at"
-                )
-            self.baseline = first[0]
-        return self.baseline
 
     def _save_if_due(self, final: bool = False) -> None:
         """Periodic and final checkpoints (`final`: a stop_at target was met, so this step is the last);
@@ -259,20 +225,9 @@ class Trainer:
                 metrics.update(update_critic(self.critic, critic_plan(self.cfg, batch, plan), batch))
         if self.step > self.cfg.critic.pretrain_steps or self.critic is None:
             with timer("update"):
-                stats = self.policy.update(batch, plan.minibatches(batch))
+                metrics.update(update_actor(self.policy, batch, plan.minibatches(batch), self.step))
             with timer("sync"):
                 self.engine.sync_weights()
-            metrics.update(stats.metrics)
-            metrics["actor/updates"] = stats.steps
-            metrics["actor/skipped_updates"] = stats.skipped_steps
-            if stats.skipped_steps:
-                log.warning(
-                    "step %d: %d of %d actor updates skipped for a non-finite gradient norm (NaN/inf); "
-                    "they changed no weights and no optimizer state",
-                    self.step,
-                    stats.skipped_steps,
-                    stats.steps,
-                )
         metrics.update(timer.metrics(tokens=token_count(batch), heap=self.heap))
         return metrics
 

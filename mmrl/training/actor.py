@@ -25,7 +25,7 @@ from mmrl.errors import ConfigError
 from mmrl.models import family_of
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
-from mmrl.training.optim import TrainedModel, UpdatePlan, per_minibatch
+from mmrl.training.optim import MiniBatch, TrainedModel, UpdatePlan, per_minibatch
 from mmrl.training.packing import runs_packed
 
 log = logging.getLogger("mmrl.training.actor")
@@ -151,6 +151,21 @@ class Actor(TrainedModel):
             old, micro["rollout_logprobs"].to(old.device), mask, cap=self.cfg.rollout_correction_cap
         )
         return advantages * weights, metrics
+
+
+def update_actor(policy: Any, batch: Batch, plan: list[MiniBatch], step: int) -> dict[str, Any]:
+    """One policy update (in-process or the workers') on `plan`; its metrics, with the updates that a
+    non-finite gradient skipped counted and logged."""
+    stats = policy.update(batch, plan)
+    if stats.skipped_steps:
+        log.warning(
+            "step %d: %d of %d actor updates skipped for a non-finite gradient norm (NaN/inf); they changed "
+            "no weights and no optimizer state",
+            step,
+            stats.skipped_steps,
+            stats.steps,
+        )
+    return {**stats.metrics, "actor/updates": stats.steps, "actor/skipped_updates": stats.skipped_steps}
 
 
 def optimizer_steps(cfg: Config, epochs: int) -> int:

@@ -94,7 +94,7 @@ def test_a_nan_or_inf_update_is_skipped_and_changes_nothing(
     loss = _loss_file(tmp_path, {2: "nan", 4: "inf"})
     run = tmp_path / "run"
     every_step = ["trainer.save_every=1", "trainer.keep_checkpoints=10"]
-    with caplog.at_level(logging.WARNING, logger="mmrl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mmrl.training.actor"):
         assert _train(tiny_model_dir, colour_task, run, 5, loss, *every_step) == 0
 
     records = raw_records(run)
