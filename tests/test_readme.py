@@ -49,8 +49,8 @@ def test_each_recipe_writes_to_a_folder_named_after_it() -> None:
         assert cfg.run_dir.parts[:2] == ("runs", cfg.trainer.experiment_name), path.name
 
 
-def test_the_readme_says_the_vllm_engine_runs_on_workers() -> None:
+def test_the_guide_says_the_vllm_engine_runs_on_workers() -> None:
     """Workers host vLLM since the scale-out work (mmrl/workers/policy.py starts one engine per rank)."""
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "Not yet on workers: the vLLM engine" not in readme
-    assert "vLLM" in readme.split("**Scale-out.**", 1)[1].split("- **", 1)[0]
+    guide = " ".join((ROOT / "docs" / "scale_out.md").read_text().split())
+    assert "Not yet on workers: the vLLM engine" not in guide
+    assert "vLLM" in guide.split("## Scale-out", 1)[1].split("## ", 1)[0]

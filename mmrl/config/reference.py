@@ -94,14 +94,14 @@ def _default(field: FieldInfo) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def keys(model: type[BaseModel] = Config, prefix: str = "") -> list[Key]:
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[Key]:
     """Every leaf key under `model`, in the classes' order; sections are walked, not listed."""
     out = []
     for name, field in model.model_fields.items():
         sections = _sections(field.annotation)
         if sections:
             for section in sections:
-                out += keys(section, prefix + name + ".")
+                out += config_keys(section, prefix + name + ".")
             continue
         doc = " ".join((field.description or "").split())
         out.append(Key(prefix + name, _type(field.annotation), _default(field), _allowed(field), doc))
@@ -132,7 +132,7 @@ def render() -> str:
         "",
     ]
     by_section: dict[str, list[Key]] = {}
-    for key in keys():
+    for key in config_keys():
         by_section.setdefault(key.name.split(".")[0], []).append(key)
     for section, rows in by_section.items():
         lines += [f"## `{section}`", ""]
@@ -150,7 +150,7 @@ def render() -> str:
 
 def describe(name: str) -> str:
     """One key's entry for `mmrl config show --doc KEY`; a ConfigError naming the closest key otherwise."""
-    known = {k.name: k for k in keys()}
+    known = {k.name: k for k in config_keys()}
     if name not in known:
         raise unknown_name(f"no config key {name!r}", name, known)
     k = known[name]
