@@ -88,3 +88,12 @@ def test_the_readme_is_a_front_page() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200, "the README is a front page: move the detail into docs/"
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "dated measurements belong in docs/benchmarks.md"
+
+
+def test_the_guide_shows_the_readmes_own_commands() -> None:
+    from tests.test_readme import _commands
+
+    quickstart, tests = _commands()
+    assert quickstart in (DOCS / "index.md").read_text()
+    started = (DOCS / "getting_started.md").read_text()
+    assert quickstart in started and tests in started, "docs/getting_started.md: copy the README's two commands"
