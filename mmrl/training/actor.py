@@ -26,7 +26,6 @@ from mmrl.models import family_of
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, UpdatePlan, per_minibatch
-from mmrl.training.packing import runs_packed
 
 log = logging.getLogger("mmrl.training.actor")
 
@@ -47,13 +46,19 @@ class Actor(TrainedModel):
         total_updates: int,
         compute_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(model, cfg, total_updates, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        super().__init__(
+            model,
+            cfg,
+            total_updates,
+            cfg.micro_batch_size,
+            cfg.max_tokens_per_micro_batch,
+            pad_id,
+            compute_dtype,
+            cfg.padding_free,
+        )
         self.cfg: ActorConfig = cfg
-        self.pad_id = pad_id
         self.temperature = temperature
         self.response_len = response_len
-        self.compute_dtype = compute_dtype
-        self.padding_free = runs_packed(cfg.padding_free, model)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.rollout_correction = (
             get_rollout_correction(cfg.rollout_correction) if cfg.rollout_correction else None

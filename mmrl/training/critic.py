@@ -20,7 +20,6 @@ from mmrl.training.actor import optimizer_steps
 from mmrl.training.forward import evaluate_rows, response_hidden
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, UpdatePlan, per_minibatch, plan_minibatches
-from mmrl.training.packing import runs_packed
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -94,12 +93,11 @@ class Critic(TrainedModel):
         max_tokens: int | None = None,
         padding_free: bool | Literal["auto"] = False,
     ) -> None:
-        super().__init__(model, cfg, total_updates, micro_batch_size, max_tokens)
+        super().__init__(
+            model, cfg, total_updates, micro_batch_size, max_tokens, pad_id, compute_dtype, padding_free
+        )
         self.cfg: CriticConfig = cfg
-        self.pad_id = pad_id
         self.response_len = response_len
-        self.compute_dtype = compute_dtype
-        self.padding_free = runs_packed(padding_free, model)  # actor.padding_free, resolved for this model
 
     def values(self, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
         """V of every response token under the current critic, 0 on padding; micro-batched by `layout`

@@ -7,12 +7,13 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from mmrl.data.batch import Batch
 from mmrl.training.micro_batches import Layout, micro_batches, micro_layout
+from mmrl.training.packing import runs_packed
 
 
 class OptimSettings(Protocol):
@@ -192,7 +193,8 @@ class TrainedModel:
     """A model trained with an AdamW and schedule of its own, in planned mini-batches: the actor, and
     beside it the GAE critic and PRIME's PRM. A subclass gives `prefix` (its metrics' name, and a second
     model's folder in a sharded checkpoint) and `_micro_step`, which backpropagates one micro-batch's
-    loss and returns its metrics."""
+    loss and returns its metrics. All three read token rows alike: `pad_id`, the forward's
+    `compute_dtype`, and `padding_free` (`actor.padding_free`, resolved for this model)."""
 
     prefix: str
 
@@ -202,10 +204,16 @@ class TrainedModel:
         cfg: OptimSettings,
         total_updates: int,
         micro_batch_size: int,
-        max_tokens: int | None = None,
+        max_tokens: int | None,
+        pad_id: int,
+        compute_dtype: torch.dtype,
+        padding_free: bool | Literal["auto"],
     ) -> None:
         self.model = model
         self.cfg = cfg
+        self.pad_id = pad_id
+        self.compute_dtype = compute_dtype
+        self.padding_free = runs_packed(padding_free, model)
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens  # actor.max_tokens_per_micro_batch: micro-batches as the actor's
         self.optimizer, self.scheduler = make_optimizer(

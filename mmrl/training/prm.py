@@ -28,7 +28,6 @@ from mmrl.training.actor import optimizer_steps, responses_per_prompt
 from mmrl.training.forward import evaluate_rows, forward_logprobs
 from mmrl.training.micro_batches import Layout, micro_layout
 from mmrl.training.optim import MiniBatch, TrainedModel, per_minibatch, plan_minibatches
-from mmrl.training.packing import runs_packed
 from mmrl.training.setup import load_trainable
 
 
@@ -66,12 +65,11 @@ class ImplicitPRM(TrainedModel):
         max_tokens: int | None = None,
         padding_free: bool | Literal["auto"] = False,
     ) -> None:
-        super().__init__(model, cfg, total_updates, micro_batch_size, max_tokens)
+        super().__init__(
+            model, cfg, total_updates, micro_batch_size, max_tokens, pad_id, compute_dtype, padding_free
+        )
         self.cfg: PRMConfig = cfg
-        self.pad_id = pad_id
         self.temperature = temperature
-        self.compute_dtype = compute_dtype
-        self.padding_free = runs_packed(padding_free, model)
 
     def _logprobs(self, micro: Batch) -> torch.Tensor:
         return forward_logprobs(
