@@ -32,7 +32,9 @@ def check_agent_supported(
     """Agent trajectories are generated in the trainer's process, turn by turn."""
     refused = {
         "an env section": env is not None,
-        "rollout.max_staleness > 0 (agent rollouts run in the trainer's process)": rollout.max_staleness > 0,
+        "rollout.max_staleness > 0 or rollout.workers > 1 (agent rollouts run in the trainer's process)": (
+            rollout.remote
+        ),
         "algorithm.adv_estimator remax": algorithm.adv_estimator == "remax",
         "algorithm.overlong_buffer_len (it measures one turn's length; agent.max_tokens limits the whole)": algorithm.overlong_buffer_len
         > 0,
@@ -183,18 +185,23 @@ def check_tensor_parallel(rollout: RolloutConfig, trainer: TrainerConfig) -> Non
 
 
 def check_staleness(rollout: RolloutConfig, env: EnvConfig | None, actor: ActorConfig) -> None:
-    """Overlapped rollouts sample from an older policy, which only a rollout correction accounts for."""
-    k = rollout.max_staleness
-    if not k:
+    """Rollout workers of their own generate single-turn prompts, each on one GPU; beyond staleness 0 they
+    sample from an older policy, which only a rollout correction accounts for."""
+    if not rollout.remote:
         return
+    what = f"rollout.max_staleness={rollout.max_staleness} rollout.workers={rollout.workers}"
     if env is not None:
-        raise ValueError(f"rollout.max_staleness={k}: VLA episodes are generated synchronously; set it to 0")
+        raise ValueError(
+            f"{what}: VLA episodes are generated synchronously in the trainer; set rollout.max_staleness=0 "
+            "and rollout.workers=1"
+        )
     if rollout.vllm.tensor_parallel_size > 1 and rollout.engine != "hf":
         raise ValueError(
-            f"rollout.max_staleness={k} generates on one rollout worker with one GPU, so its vLLM engine "
-            "cannot be split: set rollout.vllm.tensor_parallel_size=1"
+            f"{what} generates on rollout workers of one GPU each, so a vLLM engine cannot be split: set "
+            "rollout.vllm.tensor_parallel_size=1"
         )
-    if actor.rollout_correction is None:
+    k = rollout.max_staleness
+    if k and actor.rollout_correction is None:
         raise ValueError(
             f"rollout.max_staleness={k} trains on rollouts sampled up to {k} updates ago: set "
             "actor.rollout_correction (tis is the usual choice) so the loss weights them by pi_old/pi_rollout"

@@ -73,13 +73,37 @@ class RolloutConfig(Section):
     max_staleness: int = Field(
         0,
         ge=0,
-        description="0: generate, then train (synchronous). K > 0: a rollout worker of its own generates "
-        "the next K batches while the trainer updates, each sampled by a policy at most K updates old; "
-        "needs actor.rollout_correction",
+        description="0: a sample trains with the weights that drew it (on-policy). K > 0: rollout workers "
+        "generate up to K batches ahead while the trainer updates, each row sampled by a policy at most K "
+        "updates old (older groups: rollout.stale); needs actor.rollout_correction",
+    )
+    workers: int = Field(
+        1,
+        gt=0,
+        description="Rollout workers (Ray actors, each with its own engine) when rollout runs apart from "
+        "the trainer (this > 1 or max_staleness > 0); prompt groups go to the one with the fewest tokens "
+        "in flight",
     )
     worker_cpus: int = Field(
         1,
         gt=0,
-        description="With max_staleness > 0: CPU cores of the rollout worker (the trainer keeps the rest)",
+        description="CPU cores of each rollout worker (workers > 1 or max_staleness > 0); the trainer keeps "
+        "the rest",
+    )
+    stale: Literal["regenerate", "drop"] = Field(
+        "regenerate",
+        description="A finished group older than max_staleness updates when its turn comes: sample it "
+        "again with the newest weights, or drop it (rollout/stale_groups counts either)",
+    )
+    group_seeds: bool = Field(
+        False,
+        description="Synchronous runs: sample each prompt group alone with a seed of its own, as rollout "
+        "workers always do, so the samples equal a run with any number of workers (slower: no batching "
+        "across groups)",
     )
     val: ValSamplingConfig = ValSamplingConfig()
+
+    @property
+    def remote(self) -> bool:
+        """Rollout on workers of its own (`mmrl.workers.remote`) instead of the trainer's engine."""
+        return self.workers > 1 or self.max_staleness > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
 
@@ -43,10 +45,6 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams) -> Batch: ...
 
-    def submit(self, prompts: list[PromptSample], params: SamplingParams) -> Generation:
-        """Start generating; `result()` of the returned generation waits for the batch. An engine that
-        generates ahead (a rollout worker of its own) returns at once; the others finish first."""
-
     def rollout_metrics(self, batch: Batch) -> dict[str, float]:
         """What the engine knows of a batch it generated (an overlapped run: its staleness)."""
 
@@ -57,28 +55,26 @@ class RolloutEngine(Protocol):
         """Free generation memory (the KV cache) while training; the next call wakes it."""
 
 
-class Generation(Protocol):
-    """A generation that `RolloutEngine.submit` started."""
-
-    def result(self) -> Batch: ...
-
-
-@dataclass
-class Finished:
-    """A generation already done, handed out as one in flight would be."""
-
-    batch: Batch
-
-    def result(self) -> Batch:
-        return self.batch
-
-
 class GeneratesAtOnce:
-    """`submit` and `rollout_metrics` for an engine that generates when asked, so that callers treat
-    every engine like the rollout worker that generates ahead (`mmrl.workers.remote.RemoteRollout`)."""
-
-    def submit(self, prompts: list[PromptSample], params: SamplingParams) -> Finished:
-        return Finished(self.generate(prompts, params))  # type: ignore[attr-defined]
+    """`rollout_metrics` for an engine that generates when asked, so that callers treat every engine
+    like the rollout workers that generate ahead (`mmrl.workers.remote.RemoteRollout`)."""
 
     def rollout_metrics(self, batch: Batch) -> dict[str, float]:
         return {}
+
+
+def draw_seed() -> int:
+    """A prompt group's sampling seed, from the trainer's RNG (which checkpoints restore)."""
+    return int(torch.randint(2**31 - 1, ()))
+
+
+def generate_seeded(
+    engine: RolloutEngine, prompts: list[PromptSample], params: SamplingParams, seed: int
+) -> Batch:
+    """`engine.generate` with torch's RNG seeded by `seed` and restored after: the samples depend on the
+    seed, the prompts and the weights alone, not on what else the process or the engine's batch holds.
+    A rollout worker samples each prompt group this way, and so does a synchronous run with
+    `rollout.group_seeds`, so the two draw the same tokens."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return engine.generate(prompts, params)

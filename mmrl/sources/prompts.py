@@ -9,7 +9,7 @@ reward), through the configured estimator.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +35,7 @@ from mmrl.models import family_of, tokenizer_of
 from mmrl.processors import VideoBudget
 from mmrl.rewards import RewardInput, RewardManager
 from mmrl.rollout import resolve_engine
-from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.base import SamplingParams, draw_seed, generate_seeded
 from mmrl.run.gallery import GalleryItem, frame_strip, write_gallery
 from mmrl.sources import reward_models  # noqa: F401  (registers the reward_model and llm_judge rewards)
 from mmrl.sources.base import RolloutSource, StepContext
@@ -46,6 +46,7 @@ from mmrl.sources.scoring import (
     reward_label,
     reward_metrics,
 )
+from mmrl.sources.stream import GroupStream
 from mmrl.training.actor import update_plan
 from mmrl.training.optim import UpdatePlan
 from mmrl.training.warmup import format_warmup
@@ -83,10 +84,14 @@ class PromptSource(RolloutSource):
         self.policy_filter = get_policy_filter(filtration) if filtration else None
         self.kl_ctrl = make_kl_controller(cfg)
         self.validates = bool(self.val_samples)
-        # Generations sent ahead (`rollout.max_staleness`), each with the loader's state after its prompts
-        # were drawn; `drawn_state` is that of the batch last taken out, where a resumed run continues.
-        self.in_flight: deque[tuple[dict[str, Any], Any]] = deque()
-        self.drawn_state = self.loader.source_state()
+        # Rollout workers of their own (`rollout.workers`, `rollout.max_staleness`): groups streamed.
+        r = cfg.rollout
+        self.stream = (
+            GroupStream(self.loader, cfg.data.train_batch_size, r.max_staleness, r.stale)
+            if r.remote
+            else None
+        )
+        self.drawn_state = self.loader.source_state()  # the loader after the batch last trained on
 
     # ---------------------------------------------------------------- rollouts
     def sampling(self, engine: Any) -> SamplingParams:
@@ -106,12 +111,22 @@ class PromptSource(RolloutSource):
         refilled from the loader until `train_batch_size` groups or `max_num_gen_batches` rounds.
 
         Reward metrics describe the first round: an unbiased sample of the policy, comparable
-        with runs without dynamic sampling."""
+        with runs without dynamic sampling. Streamed from rollout workers, each round asks for the groups
+        still missing."""
+        if self.stream is None:
+            return self._rollouts(ctx)
+        self.stream.begin_step()
+        batch, metrics = self._rollouts(ctx)
+        metrics.update(self.stream.step_metrics())
+        self.drawn_state = self.stream.trained_state
+        return batch, metrics
+
+    def _rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
         algo, want = self.cfg.algorithm, self.cfg.data.train_batch_size
         metrics: dict[str, Any] = {}
         kept, filtered, groups, shift = [], 0, 0, 0
         for _ in range(algo.max_num_gen_batches):
-            batch, round_metrics = self._scored_rollouts(ctx)
+            batch, round_metrics = self._scored_rollouts(ctx, want - groups)
             metrics = metrics or round_metrics
             if not algo.dynamic_sampling:
                 return self._filtered(batch, metrics, ctx.step), metrics
@@ -153,9 +168,9 @@ class PromptSource(RolloutSource):
             metrics["policy_filtration/kept_reward_mean"] = float(batch["scores"][keep].mean())
         return batch.select(keep.nonzero().squeeze(1))
 
-    def _scored_rollouts(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
-        """The next generated batch, scored, overlong shaping included."""
-        batch, metrics = self._next_generated(ctx)
+    def _scored_rollouts(self, ctx: StepContext, groups: int) -> tuple[Batch, dict[str, Any]]:
+        """The next generated batch (of `groups` groups when streamed), scored, overlong shaping included."""
+        batch, metrics = self._next_generated(ctx, groups)
         with ctx.timer("reward"):
             scores, reward = self.score(batch, "reward", ctx.step)
         metrics.update(reward)
@@ -172,19 +187,22 @@ class PromptSource(RolloutSource):
         batch.set(scores=scores)
         return batch, metrics
 
-    def _next_generated(self, ctx: StepContext) -> tuple[Batch, dict[str, Any]]:
-        """The oldest batch in flight, after sending the loader's next prompts until `rollout.max_staleness`
-        more are in flight behind it (none: generate, then train). With a rollout worker the update runs
-        while those generate; each row records the policy version that sampled it."""
-        while len(self.in_flight) <= self.cfg.rollout.max_staleness:
-            with ctx.timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
-                prompts = self.loader.next_batch()  # data without a usable row is no engine failure
+    def _next_generated(self, ctx: StepContext, groups: int) -> tuple[Batch, dict[str, Any]]:
+        """The loader's next batch, generated; streamed from rollout workers, the first `groups` groups to
+        finish (`mmrl.sources.stream`), each row with the policy version that sampled it."""
+        params = self.sampling(ctx.engine)
+        if self.stream is not None:
             with ctx.timer("rollout"), ctx.guard("rollout"):
-                pending = ctx.engine.submit(prompts, self.sampling(ctx.engine))
-            self.in_flight.append((self.loader.source_state(), pending))
-        self.drawn_state, pending = self.in_flight.popleft()
+                return self.stream.take(ctx.engine, params, groups)
+        with ctx.timer("data"):  # waiting for the batch: near 0 while the prefetcher keeps up
+            prompts = self.loader.next_batch()  # data without a usable row is no engine failure
+        self.drawn_state = self.loader.source_state()
         with ctx.timer("rollout"), ctx.guard("rollout"):
-            batch = pending.result()
+            if self.cfg.rollout.group_seeds:  # as rollout workers sample: each group alone, seeded
+                parts = [generate_seeded(ctx.engine, [p], params, draw_seed()) for p in prompts]
+                batch = concat(parts)
+            else:
+                batch = ctx.engine.generate(prompts, params)
         return batch, ctx.engine.rollout_metrics(batch)
 
     def score(self, batch: Batch, prefix: str, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -286,11 +304,15 @@ class PromptSource(RolloutSource):
         return format_warmup(model, tokenizer, samples, self.cfg.warmup, seed)
 
     def state(self) -> dict[str, Any]:
-        """The data cursor after the last batch trained on: batches still in flight are drawn again on resume."""
-        return {**self.drawn_state, "kl_coef": float(self.kl_ctrl.value)}
+        """The data cursor after the last batch trained on; streamed, also which prompts drawn after it
+        were taken, so those in flight are drawn and dispatched again on resume and no others."""
+        cursor = self.stream.state() if self.stream is not None else self.drawn_state
+        return {**cursor, "kl_coef": float(self.kl_ctrl.value)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.loader.load_source_state(state)
+        if self.stream is not None:
+            self.stream.load_state(state)
         self.drawn_state = self.loader.source_state()
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)  # absent in older checkpoints
 
@@ -399,7 +421,7 @@ def _check_media_kinds(cfg: Config, family: Any, files: str, dataset: PromptData
     where its own forward takes one kind at a time and the run samples through `generate` (the HF engine
     on FSDP workers, whose shards must step together)."""
     # The HF engine on the policy's own FSDP workers (a rollout worker of its own samples on one process).
-    engine, workers = cfg.rollout.engine, cfg.trainer.world_size > 1 and not cfg.rollout.max_staleness
+    engine, workers = cfg.rollout.engine, cfg.trainer.world_size > 1 and not cfg.rollout.remote
     generates = workers and engine != "vllm" and resolve_engine(engine) == "hf"
     if family.takes_video and (family.generate_mixes_media or not generates):
         return  # nothing to refuse: skip reading every row

@@ -321,9 +321,15 @@ def check_resources(cfg: Config) -> None:
         t = cfg.trainer
         setting = f"trainer.nnodes x trainer.n_gpus_per_node={t.world_size}"
         requests.append(Request(setting, t.world_size, t.cpus_per_worker, gpu=True))
-    if cfg.rollout.max_staleness > 0:
+    if cfg.rollout.remote:
+        r = cfg.rollout
         requests.append(
-            Request(f"rollout.worker_cpus={cfg.rollout.worker_cpus}", 1, cfg.rollout.worker_cpus, True)
+            Request(
+                f"rollout.workers={r.workers} x rollout.worker_cpus={r.worker_cpus}",
+                r.workers,
+                r.worker_cpus,
+                True,
+            )
         )
     if cfg.env is not None and cfg.env.num_workers:
         from mmrl.sources.episodes import env_workers, train_env_count

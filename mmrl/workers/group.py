@@ -193,7 +193,7 @@ class PolicyGroup(GeneratesAtOnce):
         self.has_reference = needs_reference(cfg)  # each rank holds its shard of it
         # Overlapped: a rollout worker of its own, fed the whole weights gathered from the shards.
         self.engine: Any = self
-        if cfg.rollout.max_staleness:
+        if cfg.rollout.remote:
             try:
                 self.engine = RemoteRollout(cfg, self.merged_weights)
             except BaseException:

@@ -35,10 +35,10 @@ class LocalPolicy:
     the implicit PRM under PRIME, and the engine that generates from the same weights (or, overlapped, a rollout worker of its own)."""
 
     def __init__(self, cfg: Config, start: Path, processor: Any, device: str) -> None:
-        if cfg.rollout.max_staleness and device == "cuda":
+        if cfg.rollout.remote and device == "cuda":
             raise ConfigError(
-                "rollout.max_staleness on a GPU: the trainer in this process would share its GPU with the rollout "
-                "worker. Run the trainer in a Ray worker too, so each has a GPU of its own: add "
+                "rollout workers (rollout.max_staleness, rollout.workers) on a GPU: the trainer in this process "
+                "would share its GPU with them. Run the trainer in a Ray worker too, so each has a GPU of its own: add "
                 "trainer.ray_address=local (or auto on a cluster started with `ray start`)"
             )
         self.cfg, self.processor = cfg, processor
@@ -61,7 +61,7 @@ class LocalPolicy:
                 self.prm = build_prm(cfg, prm_model(cfg, start, device), pad_id, self.compute_dtype)
         self.engine: RolloutEngine = (
             RemoteRollout(cfg, partial(merged_weights, self.model))  # generates ahead while this trains
-            if cfg.rollout.max_staleness
+            if cfg.rollout.remote
             else engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
         )
 

@@ -90,7 +90,7 @@ class PolicyWorker:
             if sharded is not None:  # ranks with other media make as many tower passes (`training.media`)
                 keep_blank_image(sharded, processor, budget)
         # A vLLM engine (or its tensor-parallel rank) per worker, unless a rollout worker of its own generates.
-        if resolve_engine(cfg.rollout.engine) == "vllm" and not cfg.rollout.max_staleness:
+        if resolve_engine(cfg.rollout.engine) == "vllm" and not cfg.rollout.remote:
             self.engine = engine_from_config(cfg, self.model, processor, self.compute_dtype, cfg.model.path)
         else:  # generates with the shards themselves; ranks step together
             # Every rank takes an equal share of the prompts, so all decode the same number of passes.

@@ -1,9 +1,10 @@
 """A rollout worker: its own copy of the policy and an engine, generating while the trainer updates.
 
-It runs in a Ray actor of its own (`rollout.worker_cpus` cores, or a GPU of its own), so generation and
-the update overlap (`rollout.max_staleness`). Ray runs one actor's calls in the order they were sent, so
-weights loaded after an update reach every generation submitted after them, and each returned row says
-which policy version sampled it.
+It runs in a Ray actor of its own (`rollout.worker_cpus` cores, or a GPU of its own), one of
+`rollout.workers` (`mmrl.workers.remote`). Ray runs one actor's calls in the order they were sent, so
+weights loaded after an update reach every group dispatched after them. A group is generated whole
+between two weight loads, never interrupted, so the version each row records is the version of every
+one of its tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mmrl.data.batch import Batch
 from mmrl.data.sample import PromptSample
 from mmrl.models import load_policy, load_processor, resolve_dtype
 from mmrl.rollout import SamplingParams, engine_from_config, weights_device
+from mmrl.rollout.base import generate_seeded
 from mmrl.workers.device import worker_device
 
 # Batch tensor: the version (updates applied) of the weights that sampled each row.
@@ -47,7 +49,6 @@ class RolloutWorker:
         self.version = version
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams, seed: int) -> Batch:
-        torch.manual_seed(seed)  # drawn by the trainer's RNG
-        batch = self.engine.generate(prompts, params)
+        batch = generate_seeded(self.engine, prompts, params, seed)  # the seed: from the trainer's RNG
         batch.set(**{POLICY_VERSION: torch.full((len(batch),), self.version)})
         return batch

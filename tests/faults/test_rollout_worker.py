@@ -27,7 +27,7 @@ def test_a_killed_rollout_worker_is_replaced_and_its_batches_generated_again(
     def log_then_kill_the_worker_after_step_1(step: int, metrics: dict) -> None:
         log(step, metrics)
         if step == 1:  # step 2's batch is in flight, or done and step 3's about to be sent
-            pid = ray.get(trainer.engine.worker.pid.remote())
+            pid = ray.get(trainer.engine.workers[0].pid.remote())
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
