@@ -10,18 +10,17 @@ what differs: sizing, its image text, the encoding, its tower's layers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmrl.models.family import Family
-from mmrl.models.text import text_positions
-from mmrl.processors import TRANSFORMERS_RULE, PositionRule
+from mmrl.models.text import TextPositions
 
 
-class LlavaLayout(Family):
+class LlavaLayout(TextPositions, Family):
     """A LLaVA-layout family: one image token, 1-D positions, tower and projector beside the language model."""
 
     packed_vision = False  # the tower takes a batch of images, with no cu_seqlens
@@ -39,16 +38,6 @@ class LlavaLayout(Family):
     def media_token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         """1 on image tokens (Gemma 3's `token_type_ids`, whose runs attend both ways), 0 elsewhere."""
         return (input_ids == self.config.image_token_id).int()
-
-    def position_ids(
-        self,
-        prompts: Sequence[Any],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
-    ) -> torch.Tensor:
-        """One id per attended token: both engines lay a plain language model's text out so."""
-        return text_positions(attention)
 
     def freeze_vision(self, model: Any) -> None:
         """The tower and the projector that maps its features to the language model's width."""

@@ -7,9 +7,21 @@ count every parameter. A downloaded model's own config.json always wins (`mmrl.m
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import transformers
+
+# Qwen3-4B's language model, which Qwen3-VL-4B carries as its text model
+QWEN3_4B = {
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
 
 # hub id -> (transformers config class, keyword arguments over its defaults)
 PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
@@ -62,15 +74,7 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen/Qwen3-VL-4B-Instruct": (
         "Qwen3VLConfig",
         {
-            "text_config": {
-                "hidden_size": 2560,
-                "intermediate_size": 9728,
-                "num_hidden_layers": 36,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "head_dim": 128,
-                "tie_word_embeddings": True,
-            },
+            "text_config": QWEN3_4B,
             "vision_config": {
                 "depth": 24,
                 "hidden_size": 1024,
@@ -83,15 +87,7 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "Qwen/Qwen3-4B": (
         "Qwen3Config",
-        {
-            "hidden_size": 2560,
-            "intermediate_size": 9728,
-            "num_hidden_layers": 36,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "tie_word_embeddings": True,
-        },
+        QWEN3_4B,
     ),
     "Qwen/Qwen3.5-9B": (
         "Qwen3_5Config",
@@ -159,4 +155,4 @@ def published_config(hub_id: str) -> Any | None:
     if hub_id not in PUBLISHED:
         return None
     name, kwargs = PUBLISHED[hub_id]
-    return getattr(transformers, name)(**kwargs)
+    return getattr(transformers, name)(**copy.deepcopy(kwargs))  # a config may keep or change its dicts

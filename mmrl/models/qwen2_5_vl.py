@@ -70,10 +70,18 @@ class Qwen2_5_VL(Family):
 
     @classmethod
     def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
-        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-        return Qwen2_5_VLProcessor(
-            image_processor=Qwen2VLImageProcessor(size=size),
-            video_processor=Qwen2VLVideoProcessor(size=size),
-            tokenizer=tokenizer,
-            chat_template=chat_template,
-        )
+        return qwen_processor(Qwen2_5_VLProcessor, tokenizer, min_pixels, max_pixels, chat_template)
+
+
+def qwen_processor(
+    processor_class: type, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str
+) -> Any:
+    """A Qwen2-VL or Qwen2.5-VL processor as their checkpoints ship it: both use Qwen2-VL's image and
+    video processors, with the pixel budget as their size."""
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    return processor_class(
+        image_processor=Qwen2VLImageProcessor(size=size),
+        video_processor=Qwen2VLVideoProcessor(size=size),
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+    )

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from transformers import Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLProcessor
-from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+from transformers import Qwen2VLConfig, Qwen2VLProcessor
 
 from mmrl.models.family import Family, register
-from mmrl.models.qwen2_5_vl import media_ids, tiny_text
+from mmrl.models.qwen2_5_vl import media_ids, qwen_processor, tiny_text
 
 
 @register
@@ -47,10 +46,4 @@ class Qwen2_VL(Family):
 
     @classmethod
     def tiny_processor(cls, tokenizer: Any, min_pixels: int, max_pixels: int, chat_template: str) -> Any:
-        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-        return Qwen2VLProcessor(
-            image_processor=Qwen2VLImageProcessor(size=size),
-            video_processor=Qwen2VLVideoProcessor(size=size),
-            tokenizer=tokenizer,
-            chat_template=chat_template,
-        )
+        return qwen_processor(Qwen2VLProcessor, tokenizer, min_pixels, max_pixels, chat_template)

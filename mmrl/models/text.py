@@ -29,8 +29,22 @@ def text_positions(attention: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(dim=1) - 1).clamp(min=0) * mask
 
 
+class TextPositions:
+    """A family whose language model takes 1-D positions: one id per attended token, left padding and the
+    padding after a response 0. Both engines lay such text out this way, so `rules` changes nothing."""
+
+    def position_ids(
+        self,
+        prompts: Sequence[Any],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
+    ) -> torch.Tensor:
+        return text_positions(attention)
+
+
 @register
-class TextLM(Family):
+class TextLM(TextPositions, Family):
     name = "text"
     model_types = ("qwen3", "qwen2", "llama")
     model_class = "AutoModelForCausalLM"
@@ -70,18 +84,6 @@ class TextLM(Family):
     def encode_media(self, model: Any, pixels: torch.Tensor, grids: torch.Tensor, video: bool) -> Any:
         self.grid()
         raise AssertionError("unreachable")
-
-    # ------------------------------------------------------------------ positions
-    def position_ids(
-        self,
-        prompts: Sequence[Any],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        rules: PositionRule | Sequence[PositionRule] = TRANSFORMERS_RULE,
-    ) -> torch.Tensor:
-        """(B, L) positions counting attended tokens only: left padding and the padding after a
-        response get 0; both engines lay text out this way, so `rules` changes nothing."""
-        return text_positions(attention)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(
