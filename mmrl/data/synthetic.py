@@ -189,7 +189,7 @@ def _write_split(
     labels = [labels[i] for i in rng.permutation(n)]
     pil_format, ext = _FORMATS[image_format]
     keys: list[str] = []
-    lines: list[str] = []
+    rows: list[dict[str, Any]] = []
     for index, answer in enumerate(labels):
         for _ in range(_MAX_REDRAWS):
             params = task.sample(rng, size, answer)
@@ -213,9 +213,14 @@ def _write_split(
             "task": task.name,
             "params": params,
         }
-        lines.append(json.dumps(record) + "\n")
-    (out_dir / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+        rows.append(record)
+    write_rows(out_dir / f"{split}.jsonl", rows)
     return keys, labels
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """A split's rows as jsonl, one JSON object a line (the EasyR1 layout `mmrl train` reads)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 
 def generate(

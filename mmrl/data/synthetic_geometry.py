@@ -26,7 +26,15 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from mmrl.data.synthetic import _FORMATS, _MAX_REDRAWS, SAVE_OPTIONS, _check_image_size, _key, _split_rng
+from mmrl.data.synthetic import (
+    _FORMATS,
+    _MAX_REDRAWS,
+    SAVE_OPTIONS,
+    _check_image_size,
+    _key,
+    _split_rng,
+    write_rows,
+)
 
 __all__ = ["DEFAULT_IMAGE_SIZE", "KINDS", "generate_geometry", "sqrt_text", "times_pi"]
 
@@ -287,7 +295,7 @@ def _write_split(
     kinds = [names[i] for i in rng.permutation([i % len(names) for i in range(n)])]
     pil_format, ext = _FORMATS[image_format]
     keys: list[str] = []
-    lines: list[str] = []
+    rows: list[dict[str, Any]] = []
     for index, kind in enumerate(kinds):
         params = _sample_unseen(rng, kind, taken, split)
         keys.append(_key(params))
@@ -302,8 +310,8 @@ def _write_split(
             "kind": kind,
             "params": params,
         }
-        lines.append(json.dumps(record) + "\n")
-    (out_dir / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+        rows.append(record)
+    write_rows(out_dir / f"{split}.jsonl", rows)
     return keys, kinds
 
 

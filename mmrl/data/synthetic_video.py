@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mmrl.data.synthetic import BACKGROUND, COLOURS, PATCH_MULTIPLE
+from mmrl.data.synthetic import BACKGROUND, COLOURS, PATCH_MULTIPLE, write_rows
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 QUESTION = "Which direction does the dot move? Answer left, right, up or down."
@@ -103,7 +103,7 @@ def generate_video(
         rng = np.random.default_rng([seed, index])
         labels = [answers[i % len(answers)] for i in range(n)]
         labels = [labels[i] for i in rng.permutation(n)]
-        lines = []
+        rows = []
         for i, answer in enumerate(labels):
             rel = f"videos/{split}_{i:06d}.mp4"
             write_mp4(out / rel, render(rng, image_size, frames, answer), fps)
@@ -113,8 +113,8 @@ def generate_video(
                 "answer": answer,
                 "videos": [rel],
             }
-            lines.append(json.dumps(row) + "\n")
-        (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+            rows.append(row)
+        write_rows(out / f"{split}.jsonl", rows)
         histogram[split] = dict(Counter(labels))
     meta = {
         "task": task,

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from mmrl.data.synthetic import write_rows
+
 ANSWERS = ("red", "green", "blue")  # each named by its first stripe colour
 PAIRS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
     "red": ((255, 0, 0), (0, 255, 255)),
@@ -102,7 +104,7 @@ def generate_zoom(
         rng = np.random.default_rng([seed, ("train", "val").index(split), 7])
         cells = [(a, q) for q in range(places) for a in ANSWERS]
         order = [cells[i % len(cells)] for i in rng.permutation(n)]
-        lines = []
+        rows = []
         for index, (answer, place) in enumerate(order):
             image, params = draw(rng, answer, place, places, background)
             rel = f"images/{split}_{index:06d}.png"
@@ -114,8 +116,8 @@ def generate_zoom(
                 "target_box": params.pop("target_box"),  # the mark, in the model's coordinates (`zoom_hit`)
                 "params": params,
             }
-            lines.append(json.dumps(row) + "\n")
-        (out / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
+            rows.append(row)
+        write_rows(out / f"{split}.jsonl", rows)
         histogram[split] = dict(Counter(a for a, _ in order))
     meta = {"task": "zoom", "seed": seed, "places": places, "n_train": n_train, "n_val": n_val}
     meta |= {"answers": list(ANSWERS), "answer_histogram": histogram}
