@@ -218,6 +218,21 @@ def _write_split(
     return keys, labels
 
 
+def check_request(image_size: int, image_format: str, n_train: int, n_val: int) -> None:
+    """A synthetic task's size, format and split sizes, refused with what is allowed."""
+    _check_image_size(image_size)
+    if image_format not in _FORMATS:
+        raise ValueError(f"image_format must be one of {sorted(_FORMATS)}, got {image_format!r}")
+    for name, n in (("n_train", n_train), ("n_val", n_val)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
+
+
+def write_meta(out: Path, meta: dict[str, Any]) -> None:
+    """What was generated (`meta.json`): the task, its seed and sizes, the answers' counts per split."""
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     """A split's rows as jsonl, one JSON object a line (the EasyR1 layout `mmrl train` reads)."""
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
@@ -239,12 +254,7 @@ def generate(
     """
     if task not in TASKS:
         raise KeyError(f"unknown task {task!r}; known tasks: {', '.join(sorted(TASKS))}")
-    _check_image_size(image_size)
-    if image_format not in _FORMATS:
-        raise ValueError(f"image_format must be one of {sorted(_FORMATS)}, got {image_format!r}")
-    for name, n in (("n_train", n_train), ("n_val", n_val)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
+    check_request(image_size, image_format, n_train, n_val)
     spec = TASKS[task]
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -266,5 +276,5 @@ def generate(
         "answers": list(spec.answers),
         "answer_histogram": histogram,
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    write_meta(out, meta)
     return meta

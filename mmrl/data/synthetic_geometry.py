@@ -16,7 +16,6 @@ plus ``kind`` and ``params``, which describe the figure fully and keep val figur
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -30,9 +29,10 @@ from mmrl.data.synthetic import (
     _FORMATS,
     _MAX_REDRAWS,
     SAVE_OPTIONS,
-    _check_image_size,
     _key,
     _split_rng,
+    check_request,
+    write_meta,
     write_rows,
 )
 
@@ -328,12 +328,7 @@ def generate_geometry(
     Files: ``images/<split>_<index:06d>.<ext>``, ``train.jsonl``, ``val.jsonl``, ``meta.json``. Kinds are
     balanced per split and no val figure repeats a train figure.
     """
-    _check_image_size(image_size)
-    if image_format not in _FORMATS:
-        raise ValueError(f"image_format must be one of {sorted(_FORMATS)}, got {image_format!r}")
-    for name, n in (("n_train", n_train), ("n_val", n_val)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
+    check_request(image_size, image_format, n_train, n_val)
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     seen, train_kinds = _write_split(out, "train", n_train, seed, image_size, image_format, set())
@@ -347,5 +342,5 @@ def generate_geometry(
         "n_val": n_val,
         "kinds": {"train": dict(Counter(train_kinds)), "val": dict(Counter(val_kinds))},
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    write_meta(out, meta)
     return meta

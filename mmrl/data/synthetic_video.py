@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mmrl.data.synthetic import BACKGROUND, COLOURS, PATCH_MULTIPLE, write_rows
+from mmrl.data.synthetic import BACKGROUND, COLOURS, PATCH_MULTIPLE, write_meta, write_rows
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 QUESTION = "Which direction does the dot move? Answer left, right, up or down."
@@ -128,5 +127,5 @@ def generate_video(
         "answers": list(answers),
         "answer_histogram": histogram,
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    write_meta(out, meta)
     return meta

@@ -11,7 +11,6 @@ by the `zoom_hit` grader).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmrl.data.synthetic import write_rows
+from mmrl.data.synthetic import write_meta, write_rows
 
 ANSWERS = ("red", "green", "blue")  # each named by its first stripe colour
 PAIRS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
@@ -121,5 +120,5 @@ def generate_zoom(
         histogram[split] = dict(Counter(a for a, _ in order))
     meta = {"task": "zoom", "seed": seed, "places": places, "n_train": n_train, "n_val": n_val}
     meta |= {"answers": list(ANSWERS), "answer_histogram": histogram}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    write_meta(out, meta)
     return meta
