@@ -23,6 +23,16 @@ QWEN3_4B = {
     "tie_word_embeddings": True,
 }
 
+# Qwen3-8B's language model, which Qwen3-VL-8B and InternVL3.5-8B carry as their text models
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
 # hub id -> (transformers config class, keyword arguments over its defaults)
 PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen/Qwen2.5-VL-7B-Instruct": (
@@ -59,14 +69,7 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen/Qwen3-VL-8B-Instruct": (
         "Qwen3VLConfig",
         {
-            "text_config": {
-                "hidden_size": 4096,
-                "intermediate_size": 12288,
-                "num_hidden_layers": 36,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "head_dim": 128,
-            },
+            "text_config": QWEN3_8B,
             "vision_config": {"out_hidden_size": 4096, "deepstack_visual_indexes": [8, 16, 24]},
             "tie_word_embeddings": False,
         },
@@ -99,12 +102,7 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "text_config": {
                 "model_type": "qwen3",
-                "hidden_size": 4096,
-                "intermediate_size": 12288,
-                "num_hidden_layers": 36,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "head_dim": 128,
+                **QWEN3_8B,
                 "vocab_size": 151936,
                 "tie_word_embeddings": False,
             },
