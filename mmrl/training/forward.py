@@ -130,6 +130,8 @@ def response_logprobs(
     with_entropy: bool | Literal["grad"] = False,
     router_losses: list[torch.Tensor] | None = None,
     padding_free: bool = False,
+    *,
+    through_shards: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N,) of the N scored response tokens (`response_mask`), in row order, and optionally
     their entropies.
@@ -139,22 +141,9 @@ def response_logprobs(
     A policy sharded with FSDP2 carries this computation as a registered forward method
     (`mmrl.workers.fsdp.shard_policy`), so its shards are gathered around it and its gradients
     reduced after it, as for `forward` itself."""
-    sharded = getattr(model, SHARDED_LOGPROBS, None)
-    if sharded is not None:
+    sharded = getattr(model, SHARDED_LOGPROBS, None) if through_shards else None
+    if sharded is not None:  # it calls back here with through_shards=False, its shards gathered
         return sharded(batch, pad_id, temperature, with_entropy, router_losses, padding_free)
-    return scored_logprobs(model, batch, pad_id, temperature, with_entropy, router_losses, padding_free)
-
-
-def scored_logprobs(
-    model: Any,
-    batch: Batch,
-    pad_id: int,
-    temperature: float = 1.0,
-    with_entropy: bool | Literal["grad"] = False,
-    router_losses: list | None = None,
-    padding_free: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`response_logprobs` on an unsharded model (or inside the sharded one's registered method)."""
     hidden = response_hidden(model, batch, pad_id, router_losses, padding_free)
     scored = batch["response_mask"].to(hidden.device).bool()
     labels = batch["response_ids"].to(hidden.device)[scored]

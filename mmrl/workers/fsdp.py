@@ -32,7 +32,7 @@ from torch.distributed.fsdp import (
 )
 
 from mmrl.models import family_of
-from mmrl.training.forward import SHARDED_LOGPROBS, scored_logprobs
+from mmrl.training.forward import SHARDED_LOGPROBS, response_logprobs
 from mmrl.workers.device import worker_device
 
 
@@ -81,7 +81,7 @@ def shard_policy(model: Any, compute_dtype: torch.dtype, offload: bool) -> Any:
     """`shard_model`, and `forward.response_logprobs` and `generate` made FSDP-aware: both reach the
     root's weights (LM head, embeddings) outside `forward`."""
     shard_model(model, compute_dtype, offload)
-    setattr(model, SHARDED_LOGPROBS, partial(scored_logprobs, model))
+    setattr(model, SHARDED_LOGPROBS, partial(response_logprobs, model, through_shards=False))
     register_fsdp_forward_method(model, SHARDED_LOGPROBS)
     register_fsdp_forward_method(model, "generate")
     return model
