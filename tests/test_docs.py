@@ -44,7 +44,9 @@ def test_the_site_builds_in_strict_mode_without_the_network(tmp_path: Path, monk
     home = (tmp_path / "site" / "index.html").read_text()
     assert "mmrl" in home
     for page in (tmp_path / "site").rglob("*.html"):
-        loads = re.search(r"<(script|img|iframe)[^>]*\ssrc=\"https?://|<link[^>]*\shref=\"https?://", page.read_text())
+        loads = re.search(
+            r"<(script|img|iframe)[^>]*\ssrc=\"https?://|<link[^>]*\shref=\"https?://", page.read_text()
+        )
         assert not loads, f"{page} loads from the web: {loads.group(0)}"
     assert "RewardInput" in (tmp_path / "site" / "api" / "index.html").read_text()
 
@@ -82,6 +84,14 @@ def test_the_algorithms_page_has_a_row_per_registry_entry() -> None:
     registries = [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, POLICY_FILTERS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS]
     missing = [name for reg in registries for name in reg if not any(f"`{name}`" in row for row in rows)]
     assert not missing, f"docs/algorithms.md has no row for {missing}"
+    page = (DOCS / "algorithms.md").read_text()
+    unrendered = [
+        name
+        for reg in registries
+        for name, fn in reg.items()
+        if f"::: {fn.__module__}.{fn.__qualname__}\n" not in page
+    ]
+    assert not unrendered, f"docs/algorithms.md renders no docstring (its formula) for {unrendered}"
 
 
 def test_the_readme_is_a_front_page() -> None:
@@ -96,4 +106,6 @@ def test_the_guide_shows_the_readmes_own_commands() -> None:
     quickstart, tests = _commands()
     assert quickstart in (DOCS / "index.md").read_text()
     started = (DOCS / "getting_started.md").read_text()
-    assert quickstart in started and tests in started, "docs/getting_started.md: copy the README's two commands"
+    assert quickstart in started and tests in started, (
+        "docs/getting_started.md: copy the README's two commands"
+    )
