@@ -13,7 +13,8 @@ class RolloutError(RunStopped):
 
 
 class CheckpointError(RunStopped):
-    """A checkpoint could not be written (a full disk, say); earlier checkpoints are untouched."""
+    """A checkpoint could not be written (a full disk, say) or read back (a damaged file); the other
+    checkpoints are untouched."""
 
 
 class NumericalError(RunStopped):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -48,8 +47,9 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
             generate_zoom(data_dir, **ZOOM_DATA)
         else:
             generate(data_dir, task="color", n_train=2048, n_val=128, seed=0, image_size=112)
-    if cfg.run_dir.exists():  # the quickstart is a demo: each invocation starts its run afresh
-        _remove_earlier_run(cfg.run_dir)
+    set_aside_earlier_run(
+        cfg.run_dir, root, console
+    )  # the quickstart is a demo: each invocation starts afresh
     start = time.perf_counter()
     Trainer(cfg, console=console).fit()
     wall = time.perf_counter() - start
@@ -57,16 +57,26 @@ def run_quickstart(out: str, overrides: list[str], task: str = "colour") -> int:
     return 0
 
 
-def _remove_earlier_run(run_dir: Path) -> None:
-    """Delete the quickstart's earlier run, and nothing else: a folder that holds files but no run
-    (no metrics.jsonl or checkpoints, as `trainer.output_dir` set to the wrong folder would give) is refused."""
-    entries = list(run_dir.iterdir()) if run_dir.is_dir() else [run_dir]
-    if entries and not any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints")):
+def set_aside_earlier_run(run_dir: Path, root: Path, console: Console) -> Path | None:
+    """Move the quickstart's earlier run in `root` (its --out folder) aside, as `run.<UTC time>`, so the
+    new one starts afresh and nothing is lost; returns where it went. Any other folder that holds files
+    (a `trainer.output_dir` elsewhere, perhaps someone's real run) is refused, never touched."""
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return None
+    own = run_dir.resolve().parent == root.resolve()
+    is_run = any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints"))
+    if not (own and is_run):
+        what = "an earlier run" if is_run else "files but no earlier run"
         raise FileExistsError(
-            f"{run_dir} holds files but no earlier run, and the quickstart starts its run afresh there; "
-            "give a new or empty folder as --out (or trainer.output_dir)"
+            f"{run_dir} holds {what}, and the quickstart starts its run afresh: give a new or empty folder as "
+            f"trainer.output_dir, or leave it to the quickstart's own (--out {root})"
         )
-    shutil.rmtree(run_dir)
+    aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "_")
+    run_dir.rename(aside)
+    console.print(f"the earlier quickstart run is kept in {aside}", markup=False)
+    return aside
 
 
 def paths(root: Path, model_dir: Path, data_dir: Path) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from transformers import AutoConfig
 
-from mmrl.config import Config
+from mmrl.config import Config, dump_config
 from mmrl.data.batch import response_metrics, token_count
 from mmrl.errors import CheckpointError, NumericalError, RewardError, RolloutError, WorkerError
 from mmrl.models import load_processor, tokenizer_of
@@ -24,6 +24,7 @@ from mmrl.run.lock import RunLock
 from mmrl.run.logger import MetricsLogger, plot_reward_curve
 from mmrl.run.progress import TrainingProgress
 from mmrl.run.resume import (
+    CONFIG,
     check_resume,
     record_config,
     refuse_to_overwrite,
@@ -77,16 +78,15 @@ class Trainer:
         self.run_dir = cfg.run_dir
         if not resume:
             refuse_to_overwrite(self.run_dir)
-        start, changes = check_resume(self.run_dir, cfg) if resume else (0, "")
-        if changes:
-            self.console.print(changes, markup=False, highlight=False, soft_wrap=True)
-        record_config(self.run_dir, cfg, start)
+        resume_from, notes = resumable_checkpoint(self.run_dir) if resume else (None, [])
+        start, changes = check_resume(self.run_dir, cfg, resume_from)
+        for note in [*notes, changes] if changes else notes:
+            self.console.print(note, markup=False, highlight=False, soft_wrap=True)
         seed_everything(cfg.trainer.seed)
         self.processor = load_processor(cfg.model.path)
         self.source = source or source_from_config(
             cfg, self.processor, AutoConfig.from_pretrained(cfg.model.path)
         )
-        resume_from = resumable_checkpoint(self.run_dir) if resume else None
         self.policy = place_policy(
             cfg, self.processor, self.run_dir, resume_from is not None, self._warmup, self.console
         )
@@ -111,6 +111,7 @@ class Trainer:
         self.save_deferred = False
         if resume:
             self._resume(resume_from)
+        record_config(self.run_dir, cfg, start)  # once the run is built: a refused resume changes no record
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
@@ -257,6 +258,7 @@ class Trainer:
         shards), then what the source's policy needs beside them (`RolloutSource.save_files`)."""
         self.policy.save(folder)
         self.source.save_files(Path(folder) / "model")
+        (Path(folder) / CONFIG).write_text(dump_config(self.cfg))  # what a resume from it compares with
 
     def _context(self, timer: PhaseTimer) -> StepContext:
         """What the source is handed for a call: the engine, this step, its timer, the error guard."""

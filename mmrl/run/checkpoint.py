@@ -1,14 +1,16 @@
 """Atomic checkpoints that resume exactly.
 
 A checkpoint is written into a temporary folder, every file is fsynced, a manifest with
-each file's size goes in last, and only then is the folder renamed to `step_NNNNNNNN`. A
-folder without a manifest that matches its files is torn (the process died mid-write) and is
-ignored, so the newest complete checkpoint always wins.
+each file's size and SHA-256 goes in last, and only then is the folder renamed to `step_NNNNNNNN`. A
+folder without a manifest that matches its files' sizes is torn (the process died mid-write) and is
+ignored, so the newest complete checkpoint always wins. Before a resume loads one, its checksums are
+verified too (`damage`): bytes changed in place, which keep a file's size, are found there.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -24,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.errors import ConfigError
+from mmrl.errors import CheckpointError, ConfigError
 from mmrl.models import action_head_of, load_head_weights, save_model
 from mmrl.models.action_head import ATTRIBUTE
 
@@ -113,8 +115,9 @@ def save_checkpoint(
         with (tmp / "trainer_state.pt").open("wb") as fh:  # a file object keeps a disk error's errno
             torch.save(state, fh)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        sums = {name: file_sha256(tmp / name) for name in files}
         _fsync_tree(tmp)
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "sha256": sums}))
         _fsync_tree(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,6 +173,34 @@ def is_complete(folder: Path) -> bool:
         return all((folder / name).stat().st_size == size for name, size in manifest["files"].items())
     except (OSError, ValueError, KeyError):
         return False
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder, or None when every file it lists is whole: present, of
+    its recorded size and (for checkpoints that record them) its recorded SHA-256. Reads every file."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files, sums = manifest["files"], manifest.get("sha256", {})
+        assert isinstance(files, dict) and isinstance(sums, dict)
+    except (OSError, ValueError, KeyError, AssertionError):
+        return f"its {MANIFEST} is missing or unreadable"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, not the {size} written"
+        if name in sums and file_sha256(path) != sums[name]:
+            return f"{name} has changed since it was written (its SHA-256 differs)"
+    return None
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -247,6 +278,10 @@ def load_state_file(path: Path) -> Any:
     numpy's RNG state) is refused in one line saying how to convert it, if its source is trusted."""
     try:
         return torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint is incomplete; resume from another"
+        ) from None
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         what = found.group(1) if found else "objects that are not tensors or plain data"
@@ -254,6 +289,11 @@ def load_state_file(path: Path) -> Any:
             f"{path} holds {what}, which mmrl does not load because unpickling it can run code (it was "
             "written by an older mmrl, or not by mmrl). If you trust where the folder came from, convert it "
             f"once with `python -m mmrl.run.checkpoint {path.parent}` and resume again; else start a fresh run"
+        ) from None
+    except Exception as err:  # a damaged file: torch names the zip reader's failure, not the file
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint's state ({type(err).__name__} from torch.load): it is damaged; "
+            "move its checkpoint aside to resume from an earlier one, or start a fresh run"
         ) from None
 
 
@@ -270,6 +310,7 @@ def convert_trusted(folder: Path) -> None:
     os.replace(tmp, path)
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["files"][path.name] = path.stat().st_size
+    manifest.setdefault("sha256", {})[path.name] = file_sha256(path)
     (folder / MANIFEST).write_text(json.dumps(manifest))
     load_state_file(path)  # anything else unsafe left is named here
 

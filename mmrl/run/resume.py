@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.config import Config, dump_config, load_config
-from mmrl.errors import ConfigError
+from mmrl.errors import CheckpointError, ConfigError
 from mmrl.run import checkpoint as ckpt
 
 FIXED = ("model", "data", "rollout.n", "trainer.seed", "warmup", "algorithm.adv_estimator", "env")
@@ -35,32 +35,28 @@ FREE = (
     "env.max_restarts",
 )
 HISTORY = "config_history"
+CONFIG = "config.yaml"
 log = logging.getLogger("mmrl.run.resume")
 
 
-def check_resume(run_dir: Path, cfg: Config) -> tuple[int, str]:
-    """The step a resume starts from (0 without a checkpoint) and a note naming the changes applied.
+def check_resume(run_dir: Path, cfg: Config, newest: Path | None) -> tuple[int, str]:
+    """The step a resume from checkpoint `newest` starts at (0 without one) and a note naming the
+    changes applied.
 
-    Raises ConfigError for a change that breaks the resume's exactness, listing each with how to
-    go on, and for a `trainer.total_steps` the run has already passed."""
-    newest = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    saved = run_dir / "config.yaml"
-    if newest is None or not saved.exists():
+    The config to compare with is the one that wrote the checkpoint (its own `config.yaml`), else the
+    run's record (`config.yaml`, then `config_history/`). Raises ConfigError for a change that breaks the
+    resume's exactness, listing each with how to go on; when no record can be read, since then no change
+    can be checked; and for a `trainer.total_steps` the run has already passed."""
+    if newest is None:
         return 0, ""
     step = int(newest.name.removeprefix("step_"))
-    try:
-        before = load_config(saved)
-    except ConfigError as err:  # written by an mmrl whose options differ from this one's
-        log.warning(
-            "--resume: %s cannot be read to compare with (%s); the new config is used as given", saved, err
-        )
-        return step, ""
+    before = _recorded_config(run_dir, newest)
     changes = _changes(_flat(before.model_dump(mode="json")), _flat(cfg.model_dump(mode="json")))
     fixed = {key: change for key, change in changes.items() if _fixed(key)}
     if fixed:
         raise ConfigError(
-            f"--resume: {_listed(fixed)} differ from the config {run_dir} was trained with ({saved}); a "
-            "resumed run would no longer see the same data in the same order from the checkpoint's state. "
+            f"--resume: {_listed(fixed)} differ from the config {run_dir} was trained with; a resumed run "
+            "would no longer see the same data in the same order from the checkpoint's state. "
             "Set them back to continue this run, or start a new run with another trainer.output_dir."
         )
     if cfg.trainer.total_steps < step:
@@ -72,12 +68,32 @@ def check_resume(run_dir: Path, cfg: Config) -> tuple[int, str]:
     return step, f"--resume: applying {_listed(changes)}" if changes else ""
 
 
+def _recorded_config(run_dir: Path, checkpoint: Path) -> Config:
+    """The first readable of the checkpoint's own config, the run's `config.yaml` and its history
+    (newest first); a record written by an mmrl whose options differ is passed over, and logged."""
+    history = sorted((run_dir / HISTORY).glob("from_step_*.yaml"), reverse=True)
+    records = [checkpoint / CONFIG, run_dir / CONFIG, *history]
+    for record in records:
+        if not record.is_file():
+            continue
+        try:
+            return load_config(record)
+        except ConfigError as err:
+            log.warning("--resume: %s cannot be read to compare with (%s)", record, err)
+    raise ConfigError(
+        f"--resume: no readable record of the config {run_dir} was trained with "
+        f"({', '.join(str(r) for r in records[:2])} and {run_dir / HISTORY} are missing or unreadable), so "
+        "nothing this resume changes could be checked. Restore the run's config.yaml, or start a new run "
+        "with another trainer.output_dir."
+    )
+
+
 def record_config(run_dir: Path, cfg: Config, step: int) -> None:
     """Write the config this part of the run uses, as `config.yaml` and in the history."""
     text = dump_config(cfg)
     (run_dir / HISTORY).mkdir(parents=True, exist_ok=True)
     (run_dir / HISTORY / f"from_step_{step:08d}.yaml").write_text(text)
-    (run_dir / "config.yaml").write_text(text)
+    (run_dir / CONFIG).write_text(text)
 
 
 def _fixed(key: str) -> bool:
@@ -110,10 +126,30 @@ def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
 
 
-def resumable_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of the run in `run_dir`, after removing writes torn by a crash."""
-    ckpt.remove_torn_writes(run_dir / "checkpoints")
-    return ckpt.latest_checkpoint(run_dir / "checkpoints")
+def resumable_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest whole checkpoint of the run in `run_dir` (checksums verified), after removing writes
+    torn by a crash, and a note for each newer one passed over as damaged.
+
+    A run whose checkpoints are all damaged cannot resume, and starting it afresh would delete them as
+    it saves: that is refused (CheckpointError), with nothing changed."""
+    root = run_dir / "checkpoints"
+    ckpt.remove_torn_writes(root)
+    damaged: list[tuple[Path, str]] = []
+    folders = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
+    for folder in folders:
+        wrong = ckpt.damage(folder)
+        if wrong is None:
+            return folder, [f"--resume: passing over {f}, which is damaged: {why}" for f, why in damaged]
+        log.warning("--resume: passing over %s, which is damaged: %s", folder, wrong)
+        damaged.append((folder, wrong))
+    if folders:
+        newest, why = damaged[0]
+        raise CheckpointError(
+            f"--resume: none of the {len(folders)} checkpoints in {root} is whole (the newest, {newest.name}: {why}); nothing "
+            "was changed. Repair them or move them aside to start afresh here, or start a new run with another "
+            "trainer.output_dir."
+        )
+    return None, []
 
 
 def refuse_to_overwrite(run_dir: Path) -> None:
