@@ -300,16 +300,16 @@ def run_mmrl(args: argparse.Namespace, root: Path, extra: list[str] | None = Non
     from mmrl.run.logger import read_metrics
     from mmrl.trainer import Trainer
 
-    # Every in-process engine (HF, vLLM) hands its batches out through `GeneratesAtOnce.submit`.
+    # Every in-process engine (HF, vLLM) reports each training batch through
+    # `GeneratesAtOnce.rollout_metrics` (validation's answers do not pass there).
     lengths: list[int] = []
-    submit = GeneratesAtOnce.submit
+    report = GeneratesAtOnce.rollout_metrics
 
-    def submit_and_count(self: Any, prompts: list, params: Any) -> Any:
-        generation = submit(self, prompts, params)
-        lengths.extend(generation.batch["response_mask"].sum(dim=1).tolist())
-        return generation
+    def report_and_count(self: Any, batch: Any) -> dict[str, float]:
+        lengths.extend(batch["response_mask"].sum(dim=1).tolist())
+        return report(self, batch)
 
-    GeneratesAtOnce.submit = submit_and_count  # type: ignore[method-assign]
+    GeneratesAtOnce.rollout_metrics = report_and_count  # type: ignore[method-assign]
 
     run_dir = root / f"mmrl-{time.time_ns()}"
     overrides = [

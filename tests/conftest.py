@@ -136,6 +136,7 @@ RECORDED_S: dict[str, float] = {
     "test_learning.py::test_quickstart_recipe_learns_colour_with_a_tiny_qwen3_vl": 55,  # the first of 3 seeds
     "test_learning.py::test_quickstart_recipe_learns": 55,
     "faults/test_resources.py": 55,
+    "test_rollout_workers.py::test_two_workers_one_update_ahead": 50,  # two runs, each starting two workers
     "test_recipe_learns_colour_from_pixels[ppo]": 45,
     "test_lora_workers_share_one_tensor_parallel_vllm_engine": 45,
     "test_recipe_learns_colour_from_pixels[lora]": 40,

@@ -172,6 +172,35 @@ def tiny_vla_config(model_dir: Path, output_dir: Path, *overrides: str) -> Confi
 OVERLAPPED = ("rollout.max_staleness=1", "actor.rollout_correction=tis")
 
 
+def train_quickstart(model: Path, data: Path, out: Path, *extra: str) -> list[dict]:
+    """`mmrl train` of the tiny quickstart on the rows in `data`: 3 steps of 4 prompts x 4 answers, each
+    saved, with steps large enough that a one-update-old policy samples visibly differently."""
+    from mmrl.cli import main
+    from mmrl.run.logger import read_metrics
+
+    code = main(
+        [
+            "train",
+            "configs/quickstart.yaml",
+            f"model.path={model}",
+            f"data.train_files={data / 'train.jsonl'}",
+            "data.val_files=[]",
+            f"trainer.output_dir={out}",
+            "data.train_batch_size=4",
+            "actor.mini_batch_size=4",
+            "rollout.n=4",
+            "warmup.steps=0",
+            "actor.lr=3e-2",
+            "trainer.total_steps=3",
+            "trainer.save_every=1",
+            "trainer.progress=false",
+            *extra,
+        ]
+    )
+    assert code == 0
+    return read_metrics(out / "metrics.jsonl")
+
+
 def overlapped_config(model_dir: Path, root: Path, *overrides: str) -> Config:
     """A tiny quickstart run on 16 colour rows rendered under `root`, its rollouts one update behind."""
     generate(root / "data", task="color", n_train=16, n_val=0, seed=0, image_size=56)

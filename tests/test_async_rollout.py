@@ -6,11 +6,10 @@ batch that was in flight again."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import ray
-from helpers import OVERLAPPED, overlapped_config
+from helpers import OVERLAPPED, overlapped_config, train_quickstart
 
 from mmrl.cli import main
 from mmrl.config import load_config
@@ -25,36 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 ASYNC = list(OVERLAPPED)
 
 
-def _train(model: Path, data: Path, out: Path, *extra: str) -> list[dict]:
-    code = main(
-        [
-            "train",
-            "configs/quickstart.yaml",
-            f"model.path={model}",
-            f"data.train_files={data / 'train.jsonl'}",
-            "data.val_files=[]",
-            f"trainer.output_dir={out}",
-            "data.train_batch_size=4",
-            "actor.mini_batch_size=4",
-            "rollout.n=4",
-            "warmup.steps=0",
-            "actor.lr=3e-2",  # large steps: a one-update-old policy samples visibly differently
-            "trainer.total_steps=3",
-            "trainer.save_every=1",
-            "trainer.progress=false",
-            *extra,
-        ]
-    )
-    assert code == 0
-    return read_metrics(out / "metrics.jsonl")
-
-
 def test_overlapped_runs_train_the_same_batches_one_update_late_and_resume_the_one_in_flight(
     local_ray, tmp_path, tiny_model_dir
 ) -> None:
     generate(tmp_path / "data", task="color", n_train=32, n_val=0, seed=0, image_size=56)
-    sync = _train(tiny_model_dir, tmp_path / "data", tmp_path / "sync")
-    overlapped = _train(tiny_model_dir, tmp_path / "data", tmp_path / "async", *ASYNC)
+    sync = train_quickstart(tiny_model_dir, tmp_path / "data", tmp_path / "sync")
+    overlapped = train_quickstart(tiny_model_dir, tmp_path / "data", tmp_path / "async", *ASYNC)
 
     assert [r["data/rows"] for r in overlapped] == [r["data/rows"] for r in sync]
     assert [r["rollout/staleness_max"] for r in overlapped] == [0, 1, 1]  # the first batch waits for nothing
@@ -66,7 +41,7 @@ def test_overlapped_runs_train_the_same_batches_one_update_late_and_resume_the_o
 
     # Stopped after step 2 with step 3's batch in flight: the resumed run draws that batch again.
     resumed = tmp_path / "resumed"
-    _train(tiny_model_dir, tmp_path / "data", resumed, *ASYNC, "trainer.total_steps=2")
+    train_quickstart(tiny_model_dir, tmp_path / "data", resumed, *ASYNC, "trainer.total_steps=2")
     assert main(["train", str(resumed / "config.yaml"), "trainer.total_steps=3", "--resume"]) == 0
     records = read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
