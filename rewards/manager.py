@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import TracebackType
@@ -19,13 +18,24 @@ from typing import Any, Literal, cast
 
 from mmrl.rewards.graders import BATCHED_GRADERS
 from mmrl.rewards.loader import load_reward_function, split_file_spec
-from mmrl.rewards.outcome import EventLoop, Outcome, Scorer, exits_raised, report_crashes, run_calls
+from mmrl.rewards.outcome import (
+    MAX_SCORE,
+    EventLoop,
+    Outcome,
+    Scorer,
+    exits_raised,
+    report_crashes,
+    run_calls,
+)
 from mmrl.rewards.pool import RemoteFunction, WorkerPool
 from mmrl.rewards.types import RewardInput, RewardResult
 
 logger = logging.getLogger("mmrl.rewards")
 
 _SPEC_KEYS = {"name", "weight", "kwargs", "batched"}
+# With each score within ±MAX_SCORE, a weighted total stays far inside float32 (an inf total would make
+# every advantage of its group NaN, then 0).
+MAX_WEIGHT = 1e6
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -213,8 +223,11 @@ def _configure(spec: dict[str, Any], isolate: bool) -> _Function:
     batched = spec.get("batched")
     if batched is None:  # unset: built-in model-based graders are batched, everything else per sample
         batched = name in BATCHED_GRADERS
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-        raise ValueError(f"weight of reward {name!r} must be a finite number, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) <= MAX_WEIGHT:
+        raise ValueError(
+            f"weight of reward {name!r} must be a number within ±{MAX_WEIGHT:.0e}, got {weight!r} (a score is "
+            f"capped at ±{MAX_SCORE:.0e}; beyond that, scale the reward function's scores instead)"
+        )
     if not isinstance(batched, bool):
         raise ValueError(f"batched of reward {name!r} must be true or false, got {batched!r}")
     if name in BATCHED_GRADERS and not batched:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmrl.algorithms.masked import masked_sum, masked_whiten
+from mmrl.algorithms.masked import masked_sum, masked_whiten, wide_enough
 from mmrl.algorithms.registry import Needs, lookup, register
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
@@ -100,11 +100,11 @@ def grpo(
     ``norm_adv_by_std=False`` keeps only the mean-centring (as in Dr.GRPO).
     """
     scores = _scores(token_rewards, response_mask)
-    centred, size, ids = _group_centred(scores, group_index)
+    centred, size, ids = _group_centred(wide_enough(scores), group_index)
     if norm_adv_by_std:
         std = (_group_sum(centred.square(), ids) / (size - 1).clamp(min=1)).sqrt()
         centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
-    return _broadcast(centred, response_mask), _broadcast(scores, response_mask)
+    return _broadcast(centred.float(), response_mask), _broadcast(scores, response_mask)
 
 
 @register_advantage_estimator("drgrpo", needs=GROUPS)
@@ -200,7 +200,7 @@ def _returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return returns
 
 
-@register_advantage_estimator("gpg", needs=GROUPS)
+@register_advantage_estimator("gpg", needs=Needs(groups=True, pairs_with="gpg"))
 @torch.no_grad()
 def gpg(
     token_rewards: Tensor, response_mask: Tensor, group_index: Tensor, **kwargs: Any
@@ -245,7 +245,7 @@ def opo(
     return _broadcast(shifted - baseline, response_mask), _broadcast(scores, response_mask)
 
 
-@register_advantage_estimator("sppo", needs=GROUPS)
+@register_advantage_estimator("sppo", needs=Needs(groups=True, pairs_with="sppo"))
 @torch.no_grad()
 def sppo(
     token_rewards: Tensor,

@@ -9,6 +9,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# A float32 square overflows past ~1.8e19: values this large get their spread computed in float64, or σ
+# would be inf and every advantage 0. Ordinary values stay float32, so runs keep their exact numbers.
+WIDE_BEYOND = 1e18
+
+
+def wide_enough(values: Tensor) -> Tensor:
+    """`values` in float64 when squaring them in float32 could overflow, else as they are."""
+    finite = values[values.isfinite()]
+    return values.double() if finite.numel() and float(finite.abs().max()) > WIDE_BEYOND else values
+
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Σ values over positions where mask is set (all positions if `dim` is None)."""
@@ -27,9 +37,9 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
 
     A constant input (σ = 0, e.g. a single valid token) gives 0, even with eps = 0.
     """
-    mask = mask.bool()
+    mask, dtype, values = mask.bool(), values.dtype, wide_enough(values)
     mean = masked_mean(values, mask)
     centred = torch.where(mask, values - mean, torch.zeros_like(values))
     variance = centred.square().sum() / (mask.sum() - 1).clamp(min=1)
     std = variance.sqrt()
-    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred)).to(dtype)

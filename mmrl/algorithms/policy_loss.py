@@ -18,7 +18,7 @@ from torch import Tensor
 
 from mmrl.algorithms.aggregation import agg_loss
 from mmrl.algorithms.masked import masked_mean, masked_sum
-from mmrl.algorithms.registry import lookup, register
+from mmrl.algorithms.registry import Needs, lookup, register
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
@@ -28,9 +28,12 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 MAX_LOG_RATIO = 20.0
 
 
-def register_policy_loss(name: str, *aliases: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Add `fn(logp, old_logp, advantages, response_mask, **kwargs) -> (loss, metrics)`."""
-    return register(POLICY_LOSSES, name, *aliases)
+def register_policy_loss(
+    name: str, *aliases: str, needs: Needs | None = None
+) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Add `fn(logp, old_logp, advantages, response_mask, **kwargs) -> (loss, metrics)`; `needs` says
+    what it asks of the run (`mmrl.algorithms.Needs`: the estimator it pairs with)."""
+    return register(POLICY_LOSSES, name, *aliases, needs=needs)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
@@ -282,7 +285,7 @@ def gpg(
     return aggregated(-advantages * logp, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
 
 
-@register_policy_loss("sppo")
+@register_policy_loss("sppo", needs=Needs(pairs_with="sppo"))
 def sppo(
     logp: Tensor,
     old_logp: Tensor,

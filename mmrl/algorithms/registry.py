@@ -30,6 +30,9 @@ class Needs:
     - ``prm``: it needs each token's implicit process reward (``process_rewards=``) from a second
       language model trained online on outcome labels (PRIME's implicit PRM, `mmrl.training.prm`), and
       the frozen reference that reward is measured against.
+    - ``pairs_with``: the other half of a pair that only means something together: for an estimator,
+      the policy loss it must train with; for a loss, the estimator whose target it takes (SPPO's
+      win-rate target and its regression; GPG's corrected advantages and its plain gradient).
     """
 
     groups: bool = False
@@ -37,6 +40,7 @@ class Needs:
     rows_per_group: int | None = None
     critic: bool = False
     prm: bool = False
+    pairs_with: str | None = None
 
 
 def needs_of(fn: Callable[..., Any]) -> Needs:

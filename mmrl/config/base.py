@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    """Unknown keys are refused so a typo fails at start; assignments are validated like the YAML."""
+    """Unknown keys are refused so a typo fails at start; assignments are validated like the YAML; no
+    number key takes inf or NaN (a penalty of inf makes every return -inf, a NaN poisons the loss)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

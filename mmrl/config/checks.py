@@ -269,6 +269,24 @@ def check_exact_on_policy(
         )
 
 
+def check_pairings(algorithm: AlgorithmConfig, actor: ActorConfig) -> None:
+    """An estimator and a loss that are two halves of one method name each other in their registry
+    entries (`Needs.pairs_with`); either half with anything else trains on the wrong target."""
+    estimator, loss = algorithm.adv_estimator, actor.policy_loss
+    wants_loss = _needs("ADVANTAGE_ESTIMATORS", estimator).pairs_with
+    wants_estimator = _needs("POLICY_LOSSES", loss).pairs_with
+    if wants_loss not in (None, loss):
+        raise ValueError(
+            f"algorithm.adv_estimator={estimator} is one half of a pair: set actor.policy_loss={wants_loss} "
+            f"(not {loss})"
+        )
+    if wants_estimator not in (None, estimator):
+        raise ValueError(
+            f"actor.policy_loss={loss} is one half of a pair: set algorithm.adv_estimator={wants_estimator} "
+            f"(not {estimator})"
+        )
+
+
 def check_critic_options(algorithm: AlgorithmConfig) -> None:
     """VAPO's λ options shape the advantages of an estimator with a critic; elsewhere they would do
     nothing, so they are refused rather than ignored."""

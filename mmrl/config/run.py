@@ -57,6 +57,7 @@ class Config(Section):
         checks.check_prm(self.algorithm, self.env, self.agent)
         checks.check_policy_filtration(self.algorithm, self.rollout)
         checks.check_exact_on_policy(self.algorithm, self.actor, self.data, self.rollout)
+        checks.check_pairings(self.algorithm, self.actor)
         return self
 
     @property

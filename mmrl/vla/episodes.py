@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,7 @@ class Episodes:
     success: torch.Tensor  # (E,) bool
     lengths: torch.Tensor  # (E,) decisions taken
     invalid: dict[str, int] = field(default_factory=dict)  # malformed decisions by kind
+    bad_rewards: int = 0  # env steps whose reward was not a finite number, scored 0
     frames: list[list[np.ndarray]] = field(default_factory=list)  # the first `record` episodes' frames
 
     def metrics(self, prefix: str) -> dict[str, float]:
@@ -49,6 +51,7 @@ class Episodes:
             f"{prefix}/return": float(self.returns.mean()),
             f"{prefix}/episode_length": float(self.lengths.float().mean()),
             f"{prefix}/invalid_actions": float(sum(self.invalid.values())),
+            f"{prefix}/bad_env_rewards": float(self.bad_rewards),
         }
 
 
@@ -97,6 +100,7 @@ def run_episodes(
         success=torch.cat([w.success for w in waves]),
         lengths=torch.cat([w.lengths for w in waves]),
         invalid=dict(invalid),
+        bad_rewards=sum(w.bad_rewards for w in waves),
         frames=[f for w in waves for f in w.frames],
     )
 
@@ -118,6 +122,7 @@ def _run_wave(
     returns, success, lengths = np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
     live = np.ones(n, dtype=bool)
     invalid: dict[str, int] = {}
+    bad_rewards = 0
     frames: list[list[np.ndarray]] = [[obs[i]["image"]] for i in range(min(record, n))]
     recent = [deque([o["image"]] * prompts.history, maxlen=prompts.history) for o in obs]
     params = replace(params, n=1, max_new_tokens=tokenizer.n_tokens)
@@ -153,6 +158,17 @@ def _run_wave(
                 if result is None:
                     continue
                 obs[i], reward, terminated, truncated, info = result
+                if not _finite(reward):  # a NaN would make every advantage of its group NaN, then 0
+                    if not bad_rewards:
+                        log.warning(
+                            "episode %d (seed %d): the env's reward is %r, not a finite number: the step "
+                            "scores 0 (counted in episode/bad_env_rewards; later ones only counted)",
+                            i,
+                            seeds[i],
+                            reward,
+                        )
+                    bad_rewards += 1
+                    reward = 0.0
                 returns[i] += reward
                 if seen:
                     recent[i].append(obs[i]["image"])
@@ -172,8 +188,17 @@ def _run_wave(
         success=torch.tensor(success),
         lengths=torch.tensor(lengths),
         invalid=invalid,
+        bad_rewards=bad_rewards,
         frames=frames,
     )
+
+
+def _finite(reward: object) -> bool:
+    """Whether an env's step reward is a usable number (a custom env may return NaN, inf or None)."""
+    try:
+        return math.isfinite(float(reward))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
 
 
 def _state_key(sample: PromptSample) -> bytes:
