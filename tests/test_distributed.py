@@ -121,9 +121,15 @@ def _two_worker_update(cfg, batch, plan):
 
 # Qwen3-VL-MoE runs the dense Qwen3-VL adapter's vision and text paths plus its experts, so it stands
 # for both (a minute of the suite's budget per case saved); LLaVA-OneVision stands for the LLaVA layout
-# (`mmrl.models.llava`: InternVL, Gemma 3, Mistral 3), its SigLIP layers and its projector.
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "llava_onevision"])
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+# (`mmrl.models.llava`: InternVL, Gemma 3, Mistral 3), its SigLIP layers and its projector. A family's
+# FSDP units are the same with and without LoRA, so the MoE runs under LoRA only (the worst case: LoRA
+# on the experts' layers) and Qwen2.5-VL in full only (its LoRA on FSDP workers: the two-node and
+# tensor-parallel tests below); 40 s a case.
+@pytest.mark.parametrize(
+    "family, lora",
+    [("qwen2_5_vl", False), ("qwen3_vl_moe", True), ("llava_onevision", False), ("llava_onevision", True)],
+    ids=["full-qwen2_5_vl", "lora-qwen3_vl_moe", "full-llava_onevision", "lora-llava_onevision"],
+)
 def test_two_fsdp_workers_update_exactly_like_one_process(
     local_ray, tmp_path, tiny_family_dir, family, lora
 ) -> None:
