@@ -29,6 +29,7 @@ from mmrl.models.action_head import (
 from mmrl.models.cpu_attention import fp32_attention_on_cpu
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
 from mmrl.models.loading import (
+    ACTION_TOKENIZER_FILE,
     ACTION_TOKENS,
     SHARDED_MARKER,
     attention_implementation,
@@ -46,6 +47,7 @@ from mmrl.models.reduced_attention import attention_fails_in, attention_refusal,
 from mmrl.models.tiny import CHAT_TEMPLATE, DEFAULT_FAMILY, build_tiny, build_tokenizer
 
 __all__ = [
+    "ACTION_TOKENIZER_FILE",
     "ACTION_TOKENS",
     "CHAT_TEMPLATE",
     "DEFAULT_FAMILY",

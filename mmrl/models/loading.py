@@ -88,6 +88,9 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 # A tokenizer's vocabulary lives in one of these (the fast tokenizer's file, a sentencepiece model, or a
 # BPE vocabulary with its merges); without any, transformers builds an empty tokenizer without a word.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# An action-token policy's bins (`mmrl sft`, env runs' checkpoints): what it needs beside its weights to
+# act again. A continuous head's files are the model's own (`save_model` writes them).
+ACTION_TOKENIZER_FILE = "action_tokenizer.json"
 
 
 def load_processor(path: str | Path) -> Any:

@@ -8,6 +8,7 @@ needs it: switching the adapter off for the reference, and saving it in peft's f
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from mmrl.config import LoraConfig
-from mmrl.models import SHARDED_MARKER, family_of
+from mmrl.models import ACTION_TOKENIZER_FILE, SHARDED_MARKER, family_of
 
 
 def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
@@ -140,7 +141,8 @@ def gather_shards(folder: Path) -> nn.Module:
 
 def export_plain(folder: Path, out: Path) -> Path:
     """A checkpoint as a plain transformers model folder: a LoRA adapter is merged into its base, so
-    the result loads with `from_pretrained` (and in vLLM) with no peft involved."""
+    the result loads with `from_pretrained` (and in vLLM) with no peft involved. An action-token
+    policy's bins go with it."""
     from mmrl.models import load_policy, load_processor, save_model
 
     if out.is_file():
@@ -159,4 +161,6 @@ def export_plain(folder: Path, out: Path) -> Path:
     else:
         model = load_policy(folder)
     save_model(model, load_processor(processor_from), out)
+    if (folder / ACTION_TOKENIZER_FILE).is_file():  # without it, a run from the export bins afresh
+        shutil.copy2(folder / ACTION_TOKENIZER_FILE, out / ACTION_TOKENIZER_FILE)
     return out

@@ -23,6 +23,7 @@ from mmrl.config import Config, SftConfig
 from mmrl.data.dataset import image_budget
 from mmrl.envs.actions import ActionStats, ActionTokenizer
 from mmrl.models import (
+    ACTION_TOKENIZER_FILE,
     ACTION_TOKENS,
     HeadSpec,
     action_head_of,
@@ -40,7 +41,7 @@ from mmrl.vla.observations import ObservationPrompts, frame_history
 if TYPE_CHECKING:  # the experts import MuJoCo, which only `mmrl sft` needs
     from mmrl.envs.experts import Demo
 
-TOKENIZER_FILE = "action_tokenizer.json"
+TOKENIZER_FILE = ACTION_TOKENIZER_FILE
 
 
 def save_action_tokenizer(tokenizer: ActionTokenizer, folder: Path) -> None:

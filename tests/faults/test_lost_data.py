@@ -13,9 +13,11 @@ from faultkit import CONFIG, overrides, raw_records
 from rich.console import Console
 
 from mmrl.cli import main
+from mmrl.envs.actions import ActionTokenizer
 from mmrl.errors import CheckpointError
 from mmrl.quickstart import set_aside_earlier_run
 from mmrl.run import checkpoint as ckpt
+from mmrl.vla.sft import load_action_tokenizer, save_action_tokenizer
 
 
 def _train(model: Path, task: dict[str, Path], out: Path, steps: int, *extra: str) -> int:
@@ -138,3 +140,19 @@ def test_the_quickstart_keeps_its_earlier_run_and_never_touches_another(tmp_path
         set_aside_earlier_run(valuable, root, console)
     assert (valuable / "metrics.jsonl").exists() and (valuable / "checkpoints").is_dir()
     assert set_aside_earlier_run(tmp_path / "new", root, console) is None
+
+
+def test_an_export_carries_the_action_tokenizer_a_token_policy_acts_with(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    # An env run's checkpoint holds its bins beside the weights (`RolloutSource.save_files`); an export
+    # without them trained on from scratch would bin actions afresh, without the demos' statistics.
+    model = tmp_path / "step_4" / "model"
+    shutil.copytree(tiny_model_dir, model)
+    bins = ActionTokenizer(action_dim=2, start_id=7, n_bins=16, chunk=2)
+    save_action_tokenizer(bins, model)
+    assert main(["export", str(model.parent), str(tmp_path / "out")]) == 0
+    assert load_action_tokenizer(tmp_path / "out").to_dict() == bins.to_dict()
+    plain = tmp_path / "plain"
+    assert main(["export", str(tiny_model_dir), str(plain)]) == 0
+    assert load_action_tokenizer(plain) is None, "a model never taught actions gets no bins"
