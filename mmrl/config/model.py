@@ -25,7 +25,7 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     path: str = Field(
-        description="A model folder or hub id of a supported family (README), or `mmrl model init-tiny` output"
+        description="A model folder or hub id of a supported family (docs/models.md), or `mmrl model init-tiny` output"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
