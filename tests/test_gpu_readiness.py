@@ -10,6 +10,9 @@ which it stands in for). The mixed-media FSDP hang is shown for real in `test_di
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +21,7 @@ from helpers import mixed_prompts
 from transformers import AutoConfig
 
 from mmrl.config import VLLMConfig, load_config
+from mmrl.data.batch import Batch
 from mmrl.errors import ConfigError
 from mmrl.models import family_of, load_policy, load_processor, resolve_dtype
 from mmrl.rollout import HFEngine, SamplingParams, weights_device
@@ -212,6 +216,16 @@ def _chunked_logits(monkeypatch) -> list[int]:
     return calls
 
 
+def _sampled(model_dir: Path) -> tuple[Any, Batch, int]:
+    """The tiny policy, two mixed prompts' responses (n=2, 8 tokens) and its pad id."""
+    model, processor = load_policy(model_dir), load_processor(model_dir)
+    torch.manual_seed(0)
+    batch = HFEngine(model, processor).generate(
+        mixed_prompts(processor)[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    )
+    return model, batch, processor.tokenizer.pad_token_id
+
+
 @pytest.mark.parametrize("with_entropy", [True, "grad"])
 def test_the_output_layer_in_chunks_gives_the_same_logprobs_and_gradients(
     monkeypatch, tiny_model_dir, with_entropy
@@ -220,12 +234,7 @@ def test_the_output_layer_in_chunks_gives_the_same_logprobs_and_gradients(
     tokens over a 152 k vocabulary); beyond `logit_chunk` tokens they are made chunk by chunk under
     checkpointing. Values and entropies are those of the whole (N, V) at once, and every gradient to fp32
     rounding (its tokens are summed in another order): within 1e-5 of the tensor's largest entry."""
-    model, processor = load_policy(tiny_model_dir), load_processor(tiny_model_dir)
-    torch.manual_seed(0)
-    batch = HFEngine(model, processor).generate(
-        mixed_prompts(processor)[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
-    )
-    pad_id = processor.tokenizer.pad_token_id
+    model, batch, pad_id = _sampled(tiny_model_dir)
     whole = _logprobs_and_grads(model, batch, pad_id, with_entropy)
     chunks = _chunked_logits(monkeypatch)
     chunked = _logprobs_and_grads(model, batch, pad_id, with_entropy)
@@ -243,12 +252,7 @@ def test_the_output_layer_in_chunks_under_fsdp2(monkeypatch, tiny_model_dir) -> 
     the registered method that gathers the root's output layer, and are recomputed in its backward."""
     from mmrl.workers.fsdp import shard_policy
 
-    model, processor = load_policy(tiny_model_dir), load_processor(tiny_model_dir)
-    torch.manual_seed(0)
-    batch = HFEngine(model, processor).generate(
-        mixed_prompts(processor)[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
-    )
-    pad_id = processor.tokenizer.pad_token_id
+    model, batch, pad_id = _sampled(tiny_model_dir)
     whole = _logprobs_and_grads(model, batch, pad_id, True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

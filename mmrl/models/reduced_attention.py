@@ -88,17 +88,13 @@ def sdpa_in_fp32(
 
 
 def sdpa_where_it_runs(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
+    module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa` attention, in fp32 where this CPU cannot attend in the dtype it would use."""
+    """transformers' `sdpa` attention (`sdpa_in_fp32`'s arguments), in fp32 where this CPU cannot attend
+    in the dtype it would use."""
     if not _must_widen(query):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out, weights = sdpa_in_fp32(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+    out, weights = sdpa_in_fp32(module, query, *args, **kwargs)
     return out.to(_attends_in(query)), weights
 
 
