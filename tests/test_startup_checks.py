@@ -163,7 +163,33 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         lambda tmp, model: _prompt_run(tmp, model, f"trainer.output_dir={_parquet(tmp, b'x')}/run"),
         ["trainer.output_dir=", "train.parquet is a file"],
     ),
+    "estimator_file_without_the_function": (
+        lambda tmp, model: _prompt_run(tmp, model, f"algorithm.adv_estimator={_algorithm_file(tmp)}:missing"),
+        ["algorithm.adv_estimator=", "defines no 'missing'", "callables there: ['other']"],
+    ),
+    "loss_file_that_fails_to_import": (
+        lambda tmp, model: _prompt_run(tmp, model, f"actor.policy_loss={_algorithm_file(tmp, '1/0')}:other"),
+        ["actor.policy_loss=", "ZeroDivisionError"],
+    ),
+    "device_gpu": (
+        lambda tmp, model: _prompt_run(tmp, model, "trainer.device=gpu"),
+        ["trainer.device", "'gpu' is no device", "auto, cpu, cuda or cuda:N"],
+    ),
+    "output_dir_placeholder": (
+        lambda tmp, model: _prompt_run(tmp, model, f"trainer.output_dir={tmp / 'run'}/{{name}}"),
+        ["trainer.output_dir", "only {experiment_name} is filled in", "KeyError: 'name'"],
+    ),
+    "env_prompt_without_image": (
+        lambda tmp, model: _vla_run(tmp, model, "env.prompt='reach {instruction} now'"),
+        ["env.prompt", "exactly one <image> marker"],
+    ),
 }
+
+
+def _algorithm_file(tmp: Path, body: str = "pass") -> Path:
+    path = tmp / "algo.py"
+    path.write_text(f"{body}\n\n\ndef other(*args, **kwargs):\n    return None\n")
+    return path
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -57,6 +58,25 @@ class TrainerConfig(Section):
         "unset starts a local one when workers are used",
     )
     dist_timeout_s: float = Field(600.0, gt=0, description="How long a collective waits for a silent rank")
+
+    @field_validator("device")
+    @classmethod
+    def _a_torch_device(cls, device: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError(f"{device!r} is no device mmrl trains on: use auto, cpu, cuda or cuda:N")
+        return device
+
+    @field_validator("output_dir")
+    @classmethod
+    def _only_the_experiment_name_is_filled_in(cls, output_dir: str) -> str:
+        try:
+            output_dir.format(experiment_name="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"{output_dir!r}: only {{experiment_name}} is filled in (braces of a literal name doubled: "
+                f"{{{{ }}}}); {type(err).__name__}: {err}"
+            ) from None
+        return output_dir
 
     @field_validator("stop_at", "stop_at_gain")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mmrl.config.base import Section
 from mmrl.config.training import OptimSection
@@ -43,6 +43,17 @@ class EnvConfig(Section):
     )
     timeout_s: float = Field(60.0, gt=0, description="Per reset/step call on a worker before it is replaced")
     max_restarts: int = Field(3, ge=0, description="Replacements of one worker within one call")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_frame_marker(cls, prompt: str) -> str:
+        if prompt.count("<image>") != 1 or "{instruction}" not in prompt:
+            raise ValueError(
+                "the prompt per decision needs exactly one <image> marker (where the frames go) and "
+                "{instruction}, as in '<image>{instruction}'"
+            )
+        return prompt
+
     val_episodes: int = Field(50, ge=0, description="Greedy evaluation episodes at each validation")
     val_seed: int = Field(1_000_000, ge=0, description="First evaluation seed; training seeds stay below it")
     media_episodes: int = Field(4, ge=0, description="Evaluation episodes drawn into each validation GIF")

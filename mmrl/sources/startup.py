@@ -26,6 +26,7 @@ from mmrl.errors import ConfigError, unknown_name
 def check_startup(cfg: Config, command: str) -> None:
     """Everything `command` (train, eval or sft) will name or touch, checked in the order a run meets it."""
     check_device(cfg.trainer.device)
+    check_algorithm_files(cfg)
     if command == "sft":
         key, path = "sft.base_model", cfg.sft.base_model if cfg.sft else cfg.model.path
         check_turns(cfg, key, check_model(key, path))
@@ -60,6 +61,26 @@ def check_startup(cfg: Config, command: str) -> None:
         check_rewards(cfg.reward)
     if command == "train":
         check_resources(cfg)
+
+
+def check_algorithm_files(cfg: Config) -> None:
+    """An algorithm given as `path/to/file.py:function` is imported now, so a missing file or function, or
+    code that fails to import, is one line naming the key before any model loads."""
+    from mmrl.algorithms import load_from_file
+
+    named = {
+        "algorithm.adv_estimator": cfg.algorithm.adv_estimator,
+        "algorithm.policy_filtration": cfg.algorithm.policy_filtration,
+        "actor.policy_loss": cfg.actor.policy_loss,
+        "actor.rollout_correction": cfg.actor.rollout_correction,
+    }
+    for key, spec in named.items():
+        if spec is None or ":" not in spec:
+            continue
+        try:
+            load_from_file(spec)
+        except Exception as err:  # user code: whatever it raises at import is the user's mistake
+            raise ConfigError(f"{key}={spec}: {type(err).__name__}: {err}") from None
 
 
 def check_device(device: str) -> None:
