@@ -179,11 +179,30 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         lambda tmp, model: _prompt_run(tmp, model, f"trainer.output_dir={tmp / 'run'}/{{name}}"),
         ["trainer.output_dir", "only {experiment_name} is filled in", "KeyError: 'name'"],
     ),
+    "truncated_action_tokenizer": (
+        lambda tmp, model: _vla_run(
+            tmp, _with_side_file(tmp, model, "action_tokenizer.json", '{"action_dim": 2, "st')
+        ),
+        ["action_tokenizer.json cannot be read", "JSONDecodeError", "copy it again"],
+    ),
+    "action_head_of_an_unknown_field": (
+        lambda tmp, model: _vla_run(
+            tmp, _with_side_file(tmp, model, "action_head.json", '{"kind": "gaussian", "widht": 3}')
+        ),
+        ["action_head.json cannot be read", "TypeError", "widht"],
+    ),
     "env_prompt_without_image": (
         lambda tmp, model: _vla_run(tmp, model, "env.prompt='reach {instruction} now'"),
         ["env.prompt", "exactly one <image> marker"],
     ),
 }
+
+
+def _with_side_file(tmp: Path, model: Path, name: str, text: str) -> Path:
+    folder = tmp / "policy"
+    shutil.copytree(model, folder)
+    (folder / name).write_text(text)
+    return folder
 
 
 def _algorithm_file(tmp: Path, body: str = "pass") -> Path:

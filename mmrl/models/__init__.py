@@ -25,6 +25,7 @@ from mmrl.models.action_head import (
     attach_action_head,
     head_spec,
     load_head_weights,
+    read_policy_file,
 )
 from mmrl.models.cpu_attention import fp32_attention_on_cpu
 from mmrl.models.family import FAMILIES, Family, Grid, UnsupportedModelError, family_of, register
@@ -76,6 +77,7 @@ __all__ = [
     "load_processor",
     "model_folder",
     "never_generated_ids",
+    "read_policy_file",
     "register",
     "resolve_dtype",
     "save_model",

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mmrl.envs.actions import ActionStats, ContinuousActions
+from mmrl.errors import ConfigError
+
+T = TypeVar("T")
 
 HEAD_CONFIG = "action_head.json"
 HEAD_WEIGHTS = "action_head.safetensors"
@@ -166,10 +169,22 @@ def save_action_head(head: ActionHead, folder: str | Path) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, folder / HEAD_WEIGHTS)
 
 
+def read_policy_file(path: Path, build: Callable[[Any], T]) -> T:
+    """A policy's side file (`action_head.json`, `action_tokenizer.json`) parsed by `build`. A damaged,
+    truncated or foreign one is one line naming the file and what is wrong, before any work."""
+    try:
+        return build(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"{path} cannot be read ({type(err).__name__}: {err}): it is damaged or not mmrl's; copy it again "
+            "from the checkpoint or model folder it came with, or write it again with `mmrl sft`"
+        ) from None
+
+
 def head_spec(folder: str | Path) -> HeadSpec | None:
     """The spec saved in a model folder, or None where the policy has no continuous head."""
     path = Path(folder) / HEAD_CONFIG
-    return HeadSpec(**json.loads(path.read_text())) if path.exists() else None
+    return read_policy_file(path, lambda data: HeadSpec(**data)) if path.exists() else None
 
 
 def load_action_head(model: Any, folder: str | Path) -> ActionHead | None:

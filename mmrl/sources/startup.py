@@ -134,9 +134,12 @@ def settle_engine(cfg: Config, family: Any) -> None:
 def check_action_head(cfg: Config) -> None:
     """A policy with a continuous action head (`mmrl sft` with `sft.policy: gaussian`) trains full-weight in
     the trainer's process and samples from its own head; a setting that would take it elsewhere is refused
-    in one line. `rollout.engine: auto` becomes `hf`, the only engine that runs the head."""
+    in one line. `rollout.engine: auto` becomes `hf`, the only engine that runs the head. Both side files
+    (the head's spec, an action-token policy's bins) are read here, so a damaged one is one line."""
     from mmrl.models import head_spec
+    from mmrl.vla.sft import load_action_tokenizer
 
+    load_action_tokenizer(cfg.model.path)  # a damaged one stops here, in one line, not at the first step
     if head_spec(cfg.model.path) is None:
         return
     refused = {

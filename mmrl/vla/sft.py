@@ -31,6 +31,7 @@ from mmrl.models import (
     head_spec,
     load_policy,
     load_processor,
+    read_policy_file,
     save_model,
 )
 from mmrl.training.optim import make_optimizer
@@ -51,7 +52,7 @@ def save_action_tokenizer(tokenizer: ActionTokenizer, folder: Path) -> None:
 def load_action_tokenizer(folder: str | Path) -> ActionTokenizer | None:
     """The tokenizer saved beside a policy, or None for a model that was never taught actions."""
     path = Path(folder) / TOKENIZER_FILE
-    return ActionTokenizer.from_dict(json.loads(path.read_text())) if path.exists() else None
+    return read_policy_file(path, ActionTokenizer.from_dict) if path.exists() else None
 
 
 def policy_actions(folder: str | Path) -> Actions | None:
