@@ -91,11 +91,17 @@ class RunLock:
 
 def _read(path: Path) -> dict[str, Any] | None:
     """The holder a lock names; None when the lock is gone. An unreadable lock (a damaged disk) names
-    nobody alive, so it reads as a dead holder on this host."""
+    nobody alive, so it reads as a dead holder on this host. A folder in its place is none of mmrl's, so
+    it is not taken over: the run stops in one line."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise FolderInUse(
+            f"{path} is a folder where the run's lock file goes; mmrl never writes one: move it away (or delete "
+            "it if nothing in it matters) and run again"
+        ) from None
     try:
         holder = json.loads(text)
     except ValueError:

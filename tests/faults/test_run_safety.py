@@ -64,6 +64,19 @@ def test_a_run_folder_held_by_a_live_run_is_refused_and_a_dead_runs_lock_is_take
     assert not (run / "run.lock").exists()
 
 
+def test_a_folder_where_the_lock_goes_is_one_line_and_left_alone(
+    tmp_path, tiny_model_dir, colour_task, capsys
+) -> None:
+    run = tmp_path / "run"
+    (run / "run.lock").mkdir(parents=True)
+    (run / "run.lock" / "notes.txt").write_text("mine")
+    assert _train(tiny_model_dir, colour_task, run, 1) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "run.lock is a folder where the run's lock file goes" in err and "Traceback" not in err
+    assert (run / "run.lock" / "notes.txt").read_text() == "mine"
+    assert not (run / "metrics.jsonl").exists()
+
+
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, tiny_model_dir: Path, colour_task) -> Path:
     """A run of 2 steps with a checkpoint at step 2, to resume with changed configs."""
