@@ -179,6 +179,10 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         lambda tmp, model: _prompt_run(tmp, model, f"trainer.output_dir={tmp / 'run'}/{{name}}"),
         ["trainer.output_dir", "only {experiment_name} is filled in", "KeyError: 'name'"],
     ),
+    "truncated_dataset_dict": (
+        lambda tmp, model: _prompt_run(tmp, model, f"data.train_files={_truncated_dataset(tmp)}@train"),
+        ["data.train_files", "dataset_dict.json cannot be read", "JSONDecodeError", "save the dataset again"],
+    ),
     "truncated_action_tokenizer": (
         lambda tmp, model: _vla_run(
             tmp, _with_side_file(tmp, model, "action_tokenizer.json", '{"action_dim": 2, "st')
@@ -196,6 +200,13 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         ["env.prompt", "exactly one <image> marker"],
     ),
 }
+
+
+def _truncated_dataset(tmp: Path) -> Path:
+    folder = tmp / "geo"
+    (folder / "train").mkdir(parents=True)
+    (folder / "dataset_dict.json").write_text('{"splits": ["train", "te')
+    return folder
 
 
 def _with_side_file(tmp: Path, model: Path, name: str, text: str) -> Path:

@@ -21,13 +21,15 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mmrl.errors import ConfigError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     import datasets
@@ -95,22 +97,36 @@ def _hub_snapshot(name: str) -> Path | None:
 def _split_files(folder: Path, split: str | None, spec: str) -> list[Path]:
     """The data files of one split of a dataset folder."""
     if (folder / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: one folder per split
-        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        splits = _read_meta(folder / "dataset_dict.json", spec, lambda meta: list(meta["splits"]))
         chosen = _pick_split(splits, split, spec)
         return _split_files(folder / chosen, None, f"{spec}/{chosen}")
     if (folder / "state.json").is_file():  # save_to_disk of one Dataset
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        if split is not None and split != state.get("_split"):
-            raise ConfigError(
-                f"data {spec}: {folder} holds a single split ({state.get('_split')}); drop @{split}"
-            )
-        return [folder / entry["filename"] for entry in state["_data_files"]]
+        saved, files = _read_meta(
+            folder / "state.json",
+            spec,
+            lambda meta: (meta.get("_split"), [folder / entry["filename"] for entry in meta["_data_files"]]),
+        )
+        if split is not None and split != saved:
+            raise ConfigError(f"data {spec}: {folder} holds a single split ({saved}); drop @{split}")
+        return files
     by_split: dict[str, list[Path]] = {}
     for path in sorted(p for p in folder.rglob("*") if p.suffix in DATA_SUFFIXES):
         rel = path.relative_to(folder)
         if path.name not in _NOT_DATA and not any(part.startswith(".") for part in rel.parts):
             by_split.setdefault(_split_name(rel), []).append(path)
     return by_split[_pick_split(sorted(by_split), split, spec)]
+
+
+def _read_meta(path: Path, spec: str, read: Callable[[Any], T]) -> T:
+    """What `read` takes from a dataset folder's `datasets` metadata (`dataset_dict.json`, `state.json`);
+    a truncated or foreign file is one line naming it."""
+    try:
+        return read(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"data {spec}: {path} cannot be read ({type(err).__name__}: {err}), so the dataset's splits are "
+            "unknown; save the dataset again (`save_to_disk`), or give its data files"
+        ) from None
 
 
 def _split_name(rel: Path) -> str:
