@@ -185,6 +185,14 @@ def _quickstart(args: argparse.Namespace) -> int:
     return run_quickstart(args.out, args.overrides, args.task)
 
 
+def _positive(text: str) -> int:
+    """A count that must be at least 1 (argparse prints the one-line usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a count of at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mmrl.data.synthetic import TASKS
 
@@ -209,12 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--checkpoint", required=True, help="a run folder, a checkpoints/step_N folder or a model folder"
     )
-    ev.add_argument("--n", type=int, default=1, help="samples per prompt; 1 decodes like validation (greedy)")
+    ev.add_argument(
+        "--n", type=_positive, default=1, help="samples per prompt; 1 decodes like validation (greedy)"
+    )
     ev.add_argument(
         "--temperature", type=float, default=None, help="for --n > 1 (default: rollout.temperature)"
     )
     ev.add_argument(
-        "--k", type=int, nargs="+", default=None, help="pass@k values to report (default: 1 and n)"
+        "--k", type=_positive, nargs="+", default=None, help="pass@k values to report (default: 1 and n)"
     )
     ev.add_argument(
         "--threshold", type=float, default=0.5, help="accuracy score counted as correct for pass@k"
@@ -227,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     ev.add_argument(
         "--episodes",
-        type=int,
+        type=_positive,
         default=None,
         help="env configs: evaluation episodes (default: env.val_episodes)",
     )

@@ -90,6 +90,15 @@ def test_writers_refuse_a_folder_that_holds_files_unless_forced(tmp_path, capsys
     assert len(read_rows([str(data / "train.jsonl")])) == 2
 
 
+@pytest.mark.parametrize("flag", ["--n", "--episodes", "--k"])
+def test_eval_counts_below_1_are_a_usage_error(flag, tiny_model_dir, capsys) -> None:
+    # `--n 0` was a ZeroDivisionError traceback after the model and data had loaded
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "configs/quickstart.yaml", "--checkpoint", str(tiny_model_dir), flag, "0"])
+    assert info.value.code == 2
+    assert f"argument {flag}: 0 is not a count of at least 1" in capsys.readouterr().err
+
+
 def test_data_synth_unknown_task_is_a_usage_error(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["data", "synth", str(tmp_path / "d"), "--task", "nope", "--n-train", "2", "--n-val", "1"])
