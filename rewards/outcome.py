@@ -12,6 +12,7 @@ import faulthandler
 import inspect
 import math
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
@@ -67,6 +68,10 @@ class Scorer:
         except (Exception, SystemExit):
             # SystemExit too: a reward function calling exit() is a bug to report, not a request to stop.
             return [Outcome("exception", detail=traceback.format_exc())] * len(samples)
+        except KeyboardInterrupt as err:
+            if not raised_by_the_function(err):
+                raise
+            return [Outcome("exception", detail=traceback.format_exc())] * len(samples)
         return self._outcomes(value, len(samples))
 
     async def acall(self, samples: Sequence[RewardInput], timeout_s: float) -> list[Outcome]:
@@ -86,6 +91,10 @@ class Scorer:
         try:
             value = await self.fn(self._argument(samples), **self.kwargs)
         except (Exception, SystemExit):
+            return [Outcome("exception", detail=traceback.format_exc())] * len(samples)
+        except KeyboardInterrupt as err:
+            if not raised_by_the_function(err):
+                raise
             return [Outcome("exception", detail=traceback.format_exc())] * len(samples)
         return self._outcomes(value, len(samples))
 
@@ -247,6 +256,17 @@ async def _gather(
 
     awaitables: list[Awaitable[None]] = [one(*call) for call in calls]
     await asyncio.gather(*awaitables)
+
+
+def raised_by_the_function(err: KeyboardInterrupt) -> bool:
+    """Whether a KeyboardInterrupt came from the reward function itself, not from the keyboard. Ctrl-C
+    reaches only the main thread (async rewards run on the loop's own), and while a handler other than
+    Python's default holds SIGINT (mmrl's training loop: `StopSignals`) it never raises a bare one;
+    elsewhere one cannot be told apart, so it counts as Ctrl-C."""
+    if type(err) is not KeyboardInterrupt:
+        return False
+    elsewhere = threading.current_thread() is not threading.main_thread()
+    return elsewhere or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
 
 
 @contextmanager

@@ -501,6 +501,28 @@ INLINE_EXIT_AND_CRASH = """
 """
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_inline_reward_raising_keyboardinterrupt_is_its_failure_not_the_users_ctrl_c(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """In the training loop (`StopSignals` holds SIGINT), or on the async rewards' own thread, a bare
+    KeyboardInterrupt can only be the function's own: counted as its exception. A synchronous one outside
+    the loop cannot be told from Ctrl-C, so it stops as Ctrl-C does."""
+    from mmrl.run.signals import StopSignals
+
+    prefix = "async " if asynchronous else ""
+    path = _write(tmp_path, "ki.py", f"{prefix}def stop(sample):\n    raise KeyboardInterrupt\n")
+    with RewardManager([{"name": f"{path}:stop"}], isolation="inline") as manager:
+        with StopSignals():
+            result = manager.score([_sample("a")])
+        assert result.failures == {"stop/exception": 1} and result.overall == [0.0]
+        if asynchronous:
+            assert manager.score([_sample("a")]).failures == {"stop/exception": 1}
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                manager.score([_sample("a")])
+
+
 def test_an_inline_reward_that_exits_or_segfaults_is_named(tmp_path: Path, caplog) -> None:
     """Under isolation=inline, `os._exit` in a reward is that reward's counted failure, printed with its
     name, not a silent end of the run; a segfault prints the stack that names the function."""

@@ -25,6 +25,11 @@ class RunInterrupted(RunStopped):
         self.exit_code = EXIT_CODES[signal.Signals(signum)]
 
 
+class SecondInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C while `StopSignals` holds SIGINT: never a bare KeyboardInterrupt, so user code that
+    raises one itself (a reward function) is told apart from the user's keyboard."""
+
+
 class StopSignals:
     """While entered, SIGTERM and SIGINT set `received` instead of killing the process; a second
     SIGINT raises KeyboardInterrupt where the program is. Outside the main thread (where Python
@@ -49,7 +54,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise SecondInterrupt
         self.received = signal.Signals(signum)
         again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
         # os.write, not print: a handler may run in the middle of another write to stderr.
