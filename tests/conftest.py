@@ -138,11 +138,11 @@ RECORDED_S: dict[str, float] = {
     "faults/test_resources.py": 55,
     "test_rollout_workers.py::test_two_workers_one_update_ahead": 50,  # two runs, each starting two workers
     "test_recipe_learns_colour_from_pixels[ppo]": 55,
-    "test_lora_workers_share_one_tensor_parallel_vllm_engine": 45,
+    "test_lora_workers_share_one_tensor_parallel_vllm_engine": 60,
     "test_recipe_learns_colour_from_pixels[lora]": 40,
     "faults/test_crash_resume.py": 40,
     "test_recipe_learns_colour_from_pixels[drgrpo]": 35,
-    "test_sharded_checkpoint_exports_whole_and_resumes_exactly": 35,
+    "test_sharded_checkpoint_exports_whole_and_resumes_exactly": 45,
     "test_a_killed_worker_stops_the_run": 40,
     "test_fsdp_trainer_workers_feed_a_rollout_worker": 30,
     "test_the_qwen3_math_recipe_runs_two_steps_on_cpu": 30,
