@@ -1,7 +1,12 @@
 """Errors that end a run with a message for the user rather than a traceback (the CLI prints them)."""
 
 import difflib
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class RunStopped(RuntimeError):
@@ -45,3 +50,13 @@ def unknown_name(problem: str, name: str, known: Iterable[str], advice: str = ""
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     listed = ", ".join(known[:12]) + (f", ... ({len(known)} in all)" if len(known) > 12 else "")
     return ConfigError(f"{problem}{hint}; known: {listed}{advice}")
+
+
+def read_json(path: Path, build: Callable[[Any], T], fix: str, what: str = "") -> T:
+    """What `build` makes of the JSON file `path` (mmrl's side files, `datasets`' metadata). A damaged,
+    truncated or foreign one is a ConfigError of one line: `what` it is to the run, the file, what is
+    wrong and `fix`, what to do."""
+    try:
+        return build(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{what}{path} cannot be read ({type(err).__name__}: {err}); {fix}") from None

@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, read_json
 
 T = TypeVar("T")
 
@@ -120,13 +120,8 @@ def _split_files(folder: Path, split: str | None, spec: str) -> list[Path]:
 def _read_meta(path: Path, spec: str, read: Callable[[Any], T]) -> T:
     """What `read` takes from a dataset folder's `datasets` metadata (`dataset_dict.json`, `state.json`);
     a truncated or foreign file is one line naming it."""
-    try:
-        return read(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(
-            f"data {spec}: {path} cannot be read ({type(err).__name__}: {err}), so the dataset's splits are "
-            "unknown; save the dataset again (`save_to_disk`), or give its data files"
-        ) from None
+    fix = "the dataset's splits are unknown: save the dataset again (`save_to_disk`), or give its data files"
+    return read_json(path, read, fix, what=f"data {spec}: ")
 
 
 def _split_name(rel: Path) -> str:

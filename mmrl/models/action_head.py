@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mmrl.envs.actions import ActionStats, ContinuousActions
-from mmrl.errors import ConfigError
+from mmrl.errors import read_json
 
 T = TypeVar("T")
 
@@ -172,13 +172,11 @@ def save_action_head(head: ActionHead, folder: str | Path) -> None:
 def read_policy_file(path: Path, build: Callable[[Any], T]) -> T:
     """A policy's side file (`action_head.json`, `action_tokenizer.json`) parsed by `build`. A damaged,
     truncated or foreign one is one line naming the file and what is wrong, before any work."""
-    try:
-        return build(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(
-            f"{path} cannot be read ({type(err).__name__}: {err}): it is damaged or not mmrl's; copy it again "
-            "from the checkpoint or model folder it came with, or write it again with `mmrl sft`"
-        ) from None
+    fix = (
+        "it is damaged or not mmrl's: copy it again from the checkpoint or model folder it came with, or "
+        "write it again with `mmrl sft`"
+    )
+    return read_json(path, build, fix)
 
 
 def head_spec(folder: str | Path) -> HeadSpec | None:
