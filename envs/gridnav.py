@@ -51,6 +51,8 @@ class GridNavEnv(Env):
         view: str = "top",
         decoy: bool = True,
     ) -> None:
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0:
+            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         if size < 3 or not 0 <= walls <= size * size - 3:
             raise ValueError(f"gridnav needs size >= 3 and 0 <= walls <= size^2 - 3, got {size}, {walls}")
         if view not in ("top", "agent"):

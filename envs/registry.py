@@ -80,7 +80,18 @@ def make_env(name: str, **kwargs: Any) -> Env:
     except TypeError as err:
         accepted = ", ".join(signature.parameters) or "no options"
         raise TypeError(f"env {name!r}: {err}; it accepts: {accepted}") from None
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except (ValueError, TypeError) as err:  # an option's value the env refuses (max_steps=0, a bad camera)
+        if isinstance(err, EnvOptionError):
+            raise
+        options = ", ".join(f"{key}={value!r}" for key, value in kwargs.items()) or "no options"
+        raise EnvOptionError(f"env {name!r} cannot be built with {options}: {err}") from err
+
+
+class EnvOptionError(ValueError):
+    """An env refused the options it was built with: a setup mistake that `mmrl` shows as one line naming
+    the env and its options, not as a traceback from inside the simulator."""
 
 
 def _lookup(name: str) -> tuple[str, str | None]:

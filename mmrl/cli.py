@@ -13,6 +13,7 @@ from rich.console import Console
 
 from mmrl.config import Config, dump_config, load_config
 from mmrl.config.recipes import resolve_config
+from mmrl.envs.registry import EnvOptionError
 from mmrl.errors import ConfigError, RunStopped
 from mmrl.run.logger import DISK_FULL
 from mmrl.run.signals import RunInterrupted
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+    except (ConfigError, EnvOptionError, FileNotFoundError, FileExistsError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     except RunInterrupted as err:  # SIGTERM or Ctrl-C, after a checkpoint was saved

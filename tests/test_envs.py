@@ -13,6 +13,7 @@ import pytest
 
 from mmrl import envs
 from mmrl.envs import Env, Info, make_env, register_env, registered_envs, registry
+from mmrl.envs.registry import EnvOptionError
 from mmrl.envs.base import NO_FRAME
 from mmrl.envs.experts import collect_demos, expert_action, push_expert, scripted_expert
 from mmrl.envs.mujoco_env import COLOURS, MujocoEnv
@@ -64,6 +65,22 @@ def test_unknown_env_lists_the_registered_ones() -> None:
 def test_unknown_option_lists_the_accepted_ones() -> None:
     with pytest.raises(TypeError, match=r"env 'reach': .*'img_size'.*accepts: image_size, camera, max_steps"):
         make_env("reach", img_size=32)
+
+
+@pytest.mark.parametrize(
+    "task, options, refused",
+    [
+        ("reach", {"max_steps": 0}, "max_steps must be a positive integer, got 0"),
+        ("gridnav", {"max_steps": 0}, "max_steps must be a positive integer, got 0"),
+        ("reach", {"camera": "side"}, "camera 'side' is not in"),
+    ],
+)
+def test_an_option_value_the_env_refuses_names_the_env_and_its_options(task, options, refused) -> None:
+    with pytest.raises(EnvOptionError) as caught:
+        make_env(task, **options)
+    shown = ", ".join(f"{key}={value!r}" for key, value in options.items())
+    assert str(caught.value).startswith(f"env {task!r} cannot be built with {shown}: ")
+    assert refused in str(caught.value)
 
 
 def test_register_a_new_env_by_decorator_and_by_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -129,6 +129,16 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         ],
         ["env.task='reahc'", "did you mean 'reach'?"],
     ),
+    "env_option_out_of_range": (
+        lambda tmp, model: [
+            "sft",
+            VLA,
+            "env.options.max_steps=0",
+            f"sft.base_model={model}",
+            f"model.path={tmp / 'run'}",
+        ],
+        ["env 'reach' cannot be built with", "max_steps=0", "max_steps must be a positive integer, got 0"],
+    ),
     "unknown_game": (
         lambda tmp, model: _prompt_run(tmp, model, "agent.game.task=gridnow", config=GAME),
         ["agent.game.task='gridnow'", "did you mean 'gridnav'?"],
