@@ -289,3 +289,13 @@ def test_cli_sft_writes_a_head_policy_that_eval_reads(tmp_path, tiny_model_dir, 
     assert main(["eval", config, *common, "--checkpoint", str(tmp_path / "sft"), "--out", str(out)]) == 0
     metrics = json.loads(out.read_text())
     assert metrics["eval/episodes"] == 2 and metrics["eval/episode_length"] == 2  # 4 steps, chunks of 2
+
+
+def test_the_flow_width_check_knows_the_experts_head_count() -> None:
+    """`sft.flow_width` is refused unless the expert's heads divide it; the config keeps their count apart
+    from the model code (the config layer does not import models), so the two must agree."""
+    from mmrl.config.vla import FLOW_HEADS
+
+    assert HeadSpec(action_dim=2, chunk=1, query_start=0, hidden_size=4).heads == FLOW_HEADS
+    with pytest.raises(ValueError, match="4 attention heads split its width evenly"):
+        SftConfig(base_model="m", flow_width=30)

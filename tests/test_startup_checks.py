@@ -139,6 +139,10 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         ],
         ["env 'reach' cannot be built with", "max_steps=0", "max_steps must be a positive integer, got 0"],
     ),
+    "flow_width_the_heads_do_not_divide": (
+        lambda tmp, model: _vla_run(tmp, model, "sft.policy=flow", "sft.flow_width=30"),
+        ["sft.flow_width", "4 attention heads split its width evenly", "such as 28"],
+    ),
     "unknown_game": (
         lambda tmp, model: _prompt_run(tmp, model, "agent.game.task=gridnow", config=GAME),
         ["agent.game.task='gridnow'", "did you mean 'gridnav'?"],

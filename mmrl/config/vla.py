@@ -9,6 +9,8 @@ from pydantic import Field, field_validator
 from mmrl.config.base import Section
 from mmrl.config.training import OptimSection
 
+FLOW_HEADS = 4  # the flow-matching expert's attention heads (mmrl.models.action_head.HeadSpec.heads)
+
 
 class EnvConfig(Section):
     """A simulator task instead of prompt rows (VLA training): each step runs `rollout.n` episodes from
@@ -96,6 +98,16 @@ class SftConfig(OptimSection):
     steps: int = Field(300, gt=0, description="Optimizer steps (the schedule's length)")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate")
     batch_size: int = Field(64, gt=0, description="Demo frames per step")
+
+    @field_validator("flow_width")
+    @classmethod
+    def _heads_divide_width(cls, width: int) -> int:
+        if width % FLOW_HEADS:
+            raise ValueError(
+                f"the flow expert's {FLOW_HEADS} attention heads split its width evenly: give a multiple "
+                f"of {FLOW_HEADS}, such as {max(FLOW_HEADS, width // FLOW_HEADS * FLOW_HEADS)}"
+            )
+        return width
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip each step's gradient norm; None: no clipping"
     )
