@@ -143,6 +143,18 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         lambda tmp, model: _vla_run(tmp, model, "sft.policy=flow", "sft.flow_width=30"),
         ["sft.flow_width", "4 attention heads split its width evenly", "such as 28"],
     ),
+    "critic_of_another_family": (
+        lambda tmp, model: _prompt_run(
+            tmp, model, "algorithm.adv_estimator=gae", f"critic.model_path={_other_family(tmp)}"
+        ),
+        ["critic.model_path", "is a llava_onevision model, but the policy (model.path) is qwen2_5_vl"],
+    ),
+    "missing_prm_model": (
+        lambda tmp, model: _prompt_run(
+            tmp, model, "algorithm.adv_estimator=prime", f"prm.model_path={tmp / 'no-prm'}"
+        ),
+        ["prm.model_path", "no-prm"],
+    ),
     "unknown_game": (
         lambda tmp, model: _prompt_run(tmp, model, "agent.game.task=gridnow", config=GAME),
         ["agent.game.task='gridnow'", "did you mean 'gridnav'?"],
@@ -216,6 +228,12 @@ CASES: dict[str, tuple[Case, list[str]]] = {
 }
 
 
+def _other_family(tmp: Path) -> Path:
+    from mmrl.models import build_tiny
+
+    return build_tiny(tmp / "llava", family="llava_onevision")
+
+
 def _truncated_dataset(tmp: Path) -> Path:
     folder = tmp / "geo"
     (folder / "train").mkdir(parents=True)
@@ -242,6 +260,7 @@ def test_a_setup_mistake_is_one_line_and_exit_2_before_any_work(
 ) -> None:
     build, expected = CASES[case]
     argv = build(tmp_path, tiny_model_dir)
+    capsys.readouterr()  # what building the case printed (a tiny model's progress bar) is not the command's
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("error:")

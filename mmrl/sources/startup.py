@@ -38,6 +38,7 @@ def check_startup(cfg: Config, command: str) -> None:
                 "run `mmrl sft` with it first (it writes model.path)"
             )
         family = check_model("model.path", cfg.model.path)
+        check_second_models(cfg, family)
         check_turns(cfg, "model.path", family)
         settle_engine(cfg, family)
         from mmrl.workers.memory import refuse_what_cannot_fit
@@ -104,6 +105,29 @@ def check_family(key: str, family: str) -> None:
     names = {cls.name for cls in FAMILIES.values()}
     if family not in names:
         raise unknown_name(f"{key} {family!r} is not a model family mmrl knows", family, sorted(names))
+
+
+def check_second_models(cfg: Config, family: Any) -> None:
+    """`critic.model_path` and `prm.model_path`, where the algorithm trains that model: a whole model folder
+    of the policy's family, since the critic's trunk and PRIME's PRM read the policy's token rows and images
+    as they are. Each error names its own key."""
+    from mmrl.training.critic import needs_critic
+    from mmrl.training.prm import needs_prm
+
+    second = {
+        "critic.model_path": (cfg.critic.model_path, needs_critic(cfg), "critic"),
+        "prm.model_path": (cfg.prm.model_path, needs_prm(cfg), "PRM"),
+    }
+    for key, (path, trained, what) in second.items():
+        if path is None or not trained:
+            continue
+        other = check_model(key, path)
+        if other.name != family.name:
+            raise ConfigError(
+                f"{key}: {path} is a {other.name} model, but the policy (model.path) is {family.name}; the "
+                f"{what} reads the policy's token rows and images, so start it from a {family.name} model with "
+                f"the policy's tokenizer, or leave {key} unset (it then starts from the policy)"
+            )
 
 
 def check_turns(cfg: Config, key: str, family: Any) -> None:
