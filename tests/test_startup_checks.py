@@ -155,6 +155,10 @@ CASES: dict[str, tuple[Case, list[str]]] = {
         ),
         ["prm.model_path", "no-prm"],
     ),
+    "policy_of_another_action_size": (
+        lambda tmp, model: _vla_run(tmp, _policy_of_dim(tmp, model, 3)),
+        ["policy was taught 3-D actions, but env reach takes 2-D", "mmrl sft"],
+    ),
     "unknown_game": (
         lambda tmp, model: _prompt_run(tmp, model, "agent.game.task=gridnow", config=GAME),
         ["agent.game.task='gridnow'", "did you mean 'gridnav'?"],
@@ -228,6 +232,15 @@ CASES: dict[str, tuple[Case, list[str]]] = {
 }
 
 
+def _policy_of_dim(tmp: Path, model: Path, action_dim: int) -> Path:
+    """A copy of the tiny model as if `mmrl sft` had taught it `action_dim`-D action tokens."""
+    from mmrl.envs.actions import ActionTokenizer
+
+    vocab = json.loads((model / "config.json").read_text())["text_config"]["vocab_size"]
+    tokens = ActionTokenizer.for_vocab(vocab, action_dim, n_bins=256)
+    return _with_side_file(tmp, model, "action_tokenizer.json", json.dumps(tokens.to_dict()))
+
+
 def _other_family(tmp: Path) -> Path:
     from mmrl.models import build_tiny
 
@@ -268,6 +281,19 @@ def test_a_setup_mistake_is_one_line_and_exit_2_before_any_work(
     for part in expected:
         assert part in line, f"{part!r} not in {line!r}"
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_policy_taught_another_action_size_is_one_line(tmp_path, capsys, tiny_model_dir) -> None:
+    """`mmrl eval` checks the policy's action size against the env's as training does (it used to pad or
+    cut the actions silently); the policy's weights load first, so its progress bar comes before the line."""
+    policy = _policy_of_dim(tmp_path, tiny_model_dir, 3)
+    capsys.readouterr()
+    argv = ["eval", VLA, f"model.path={policy}", "--checkpoint", str(policy), "--episodes", "1"]
+    assert main([*argv, "--out", str(tmp_path / "eval.json")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error: " + f"{policy} was taught 3-D actions, but env reach takes 2-D" in _one_line(err)
+    assert not (tmp_path / "eval.json").exists()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from mmrl.sources.episodes import make_envs
 from mmrl.vla.episodes import run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
-from mmrl.vla.sft import policy_actions
+from mmrl.vla.sft import acting_on, policy_actions
 
 
 def evaluate_episodes(
@@ -44,6 +44,7 @@ def evaluate_episodes(
     envs = make_envs(cfg, count)
     torch.manual_seed(cfg.trainer.seed)  # as the trainer's validation does
     try:
+        tokenizer = acting_on(tokenizer, model_dir, env.task, envs.action_dim)
         result = run_episodes(
             engine,
             envs,

@@ -31,6 +31,7 @@ class RunLock:
     """Holds `run_dir` for this process from construction until `release` (or the process exits)."""
 
     def __init__(self, run_dir: Path) -> None:
+        self.made = not run_dir.exists()  # a folder made here and left empty goes again on release
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_NAME
         self.me = {
@@ -53,6 +54,9 @@ class RunLock:
         if holder is not None and _same_process(holder, self.me):
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+            if self.made:  # a run refused at start leaves no empty folder behind
+                with contextlib.suppress(OSError):
+                    self.path.parent.rmdir()
 
     def _create(self) -> bool:
         """Put the lock in place unless one exists. It is written whole under another name and then

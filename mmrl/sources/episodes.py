@@ -29,7 +29,7 @@ from mmrl.training.optim import UpdatePlan
 from mmrl.vla.episodes import Actions, Episodes, run_episodes
 from mmrl.vla.media import episodes_gif
 from mmrl.vla.observations import ObservationPrompts
-from mmrl.vla.sft import policy_actions, save_action_tokenizer
+from mmrl.vla.sft import acting_on, policy_actions, save_action_tokenizer
 
 
 def train_env_count(cfg: Any) -> int:
@@ -75,11 +75,7 @@ def episode_tokenizer(cfg: Any, model_path: str, vocab_size: int, action_dim: in
     on its own)."""
     saved = policy_actions(model_path)
     if saved is not None:
-        if saved.action_dim != action_dim:
-            raise ValueError(
-                f"{model_path} was taught {saved.action_dim}-D actions; env {cfg.env.task} takes {action_dim}-D"
-            )
-        return saved
+        return acting_on(saved, model_path, cfg.env.task, action_dim)
     return ActionTokenizer.for_vocab(vocab_size, action_dim, n_bins=cfg.env.n_bins, chunk=cfg.env.chunk)
 
 

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from mmrl.config import Config, SftConfig
 from mmrl.data.dataset import image_budget
 from mmrl.envs.actions import ActionStats, ActionTokenizer
+from mmrl.errors import ConfigError
 from mmrl.models import (
     ACTION_TOKENIZER_FILE,
     ACTION_TOKENS,
@@ -60,6 +61,17 @@ def policy_actions(folder: str | Path) -> Actions | None:
     None for a model that was never taught actions."""
     spec = head_spec(folder)
     return spec.actions if spec is not None else load_action_tokenizer(folder)
+
+
+def acting_on(actions: Actions, folder: str | Path, task: str, action_dim: int) -> Actions:
+    """`actions`, the way the policy in `folder` acts, if they move as many dimensions as env `task` takes;
+    a policy cloned on another task would have its actions cut or padded, so it is refused in one line."""
+    if actions.action_dim != action_dim:
+        raise ConfigError(
+            f"{folder} was taught {actions.action_dim}-D actions, but env {task} takes {action_dim}-D: train "
+            f"or evaluate it on the task it was cloned on, or clone one for {task} (`mmrl sft` with this config)"
+        )
+    return actions
 
 
 def demo_labels(demo: Demo, labels: str = "executed") -> np.ndarray:
