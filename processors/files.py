@@ -16,11 +16,28 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
 
 # Seconds a media file's stat and read may take; the environment variable sets it (a slow mount).
 READ_TIMEOUT_S = float(os.environ.get("MMRL_MEDIA_READ_TIMEOUT_S", "30"))
 
 T = TypeVar("T")
+
+
+def local_path(source: str | Path, base_dir: str | Path | None = None) -> Path:
+    """The file a row's media string names: a path (relative ones under `base_dir`) or a `file://` URL.
+    Other URLs are refused with a `ValueError` saying so: media is never fetched over a network, where a
+    slow or hostile server would hold the data thread."""
+    if isinstance(source, str) and (url := urlparse(source)).scheme and source.startswith(f"{url.scheme}://"):
+        if url.scheme.lower() != "file":
+            raise ValueError(
+                f"{url.scheme}:// URLs are not fetched: mmrl reads local files, bytes and PIL images; "
+                "download the media and give its path (relative paths are read under data.base_dir)"
+            )
+        source = url2pathname(unquote(url.path))
+    path = Path(source)
+    return Path(base_dir) / path if base_dir is not None and not path.is_absolute() else path
 
 
 def read_media(path: Path) -> bytes:

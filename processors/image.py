@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from mmrl.processors.files import read_media
+from mmrl.processors.files import local_path, read_media
 
 # (height, width, factor, min_pixels, max_pixels) -> (height, width): transformers' `smart_resize`.
 SizeRule = Callable[[int, int, int, int, int], tuple[int, int]]
@@ -63,9 +63,7 @@ def _open(source: Any, base_dir: str | Path | None) -> Image.Image:
         elif isinstance(source, (bytes, bytearray)):
             image = Image.open(io.BytesIO(source))
         elif isinstance(source, (str, Path)):
-            path = Path(source)
-            if base_dir is not None and not path.is_absolute():
-                path = Path(base_dir) / path
+            path = local_path(source, base_dir)
             image = Image.open(io.BytesIO(read_media(path)))  # a FIFO or a hung mount must not block
         else:
             raise ImageError(f"unsupported image value of type {type(source).__name__}")

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
 
-from mmrl.processors.files import media_size
+from mmrl.processors.files import local_path, media_size
 from mmrl.processors.image import ImageError, entry_int, entry_keys, load_image
 
 log = logging.getLogger("mmrl.processors.video")
@@ -273,9 +273,10 @@ def _file_source(source: Any, base_dir: str | Path | None) -> str | bytes:
         raise VideoError(
             f"unsupported video value of type {type(source).__name__}; pass a path, bytes or frames"
         )
-    path = Path(source)
-    if base_dir is not None and not path.is_absolute():
-        path = Path(base_dir) / path
+    try:
+        path = local_path(source, base_dir)
+    except ValueError as err:
+        raise VideoError(f"cannot read video {source}: {err}") from None
     try:
         size = media_size(path)  # a FIFO or a hung mount must not block
     except FileNotFoundError:

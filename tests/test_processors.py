@@ -14,6 +14,8 @@ from mmrl.models import load_policy, load_processor
 from mmrl.processors import (
     ImageError,
     PixelBudget,
+    VideoBudget,
+    VideoError,
     build_messages,
     encode_prompt,
     fit_image,
@@ -21,6 +23,7 @@ from mmrl.processors import (
     mrope_position_ids,
     num_image_tokens,
     pixel_inputs,
+    read_video,
     smart_size,
 )
 
@@ -126,6 +129,17 @@ def test_load_image_handles_bytes_modes_and_exif(tmp_path) -> None:
     Image.new("RGB", (40, 10)).save(path, exif=exif)
     assert load_image(path).size == (10, 40)
     assert load_image("rot.jpg", base_dir=tmp_path).size == (10, 40)
+
+
+def test_a_file_url_is_read_and_a_web_url_is_refused_saying_so(tmp_path) -> None:
+    path = tmp_path / "a b.png"
+    Image.new("RGB", (12, 8)).save(path)
+    assert load_image(path.as_uri()).size == (12, 8)  # file:///.../a%20b.png
+    for url in ("https://example.org/cat.png", "s3://bucket/cat.png"):
+        with pytest.raises(ImageError, match=r"cannot read image .*:// URLs are not fetched.*give its path"):
+            load_image(url, base_dir=tmp_path)
+    with pytest.raises(VideoError, match=r"cannot read video http://x/clip.mp4: http:// URLs are not fetched"):
+        read_video("http://x/clip.mp4", VideoBudget())
 
 
 @pytest.mark.parametrize("bad", [b"", b"\x89PNG\r\n\x1a\n\x00\x00", "missing.png", 12])
