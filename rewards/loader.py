@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,15 +68,30 @@ def import_file(path: Path) -> ModuleType:
         raise ImportError(f"cannot import {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
+    real_exit, os._exit = os._exit, _refuse_exit  # a file that ends the process while it loads
     try:
         module_spec.loader.exec_module(module)
     except SyntaxError as err:
         del sys.modules[module_name]
         raise ImportError(f"{err.filename or path}, line {err.lineno}: syntax error: {err.msg}") from err
+    except (SystemExit, _ExitAtImport) as err:  # the run would end without a word
+        del sys.modules[module_name]
+        call = f"sys.exit({err.code!r})" if isinstance(err, SystemExit) else err.args[0]
+        raise ImportError(f"importing {path} failed: it calls {call} at import") from None
     except Exception as err:
         del sys.modules[module_name]
         raise ImportError(f"importing {path} failed: {type(err).__name__}: {err}") from err
+    finally:
+        os._exit = real_exit
     return module
+
+
+class _ExitAtImport(Exception):
+    """A user file called `os._exit` while it was imported, which would end the run with no output."""
+
+
+def _refuse_exit(code: int = 0) -> None:
+    raise _ExitAtImport(f"os._exit({code!r})")
 
 
 def _unknown_name_hint(spec: str) -> str:

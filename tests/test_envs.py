@@ -13,12 +13,12 @@ import pytest
 
 from mmrl import envs
 from mmrl.envs import Env, Info, make_env, register_env, registered_envs, registry
-from mmrl.envs.registry import EnvOptionError
 from mmrl.envs.base import NO_FRAME
 from mmrl.envs.experts import collect_demos, expert_action, push_expert, scripted_expert
 from mmrl.envs.mujoco_env import COLOURS, MujocoEnv
 from mmrl.envs.push import PushEnv
 from mmrl.envs.reach import TIP_SPEED, ReachEnv
+from mmrl.envs.registry import EnvOptionError
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = ("reach", "push")

@@ -138,7 +138,9 @@ def test_a_file_url_is_read_and_a_web_url_is_refused_saying_so(tmp_path) -> None
     for url in ("https://example.org/cat.png", "s3://bucket/cat.png"):
         with pytest.raises(ImageError, match=r"cannot read image .*:// URLs are not fetched.*give its path"):
             load_image(url, base_dir=tmp_path)
-    with pytest.raises(VideoError, match=r"cannot read video http://x/clip.mp4: http:// URLs are not fetched"):
+    with pytest.raises(
+        VideoError, match=r"cannot read video http://x/clip.mp4: http:// URLs are not fetched"
+    ):
         read_video("http://x/clip.mp4", VideoBudget())
 
 

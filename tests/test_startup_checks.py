@@ -71,8 +71,8 @@ def _parquet(tmp: Path, content: bytes) -> Path:
     return path
 
 
-def _tool_file(tmp: Path) -> str:
-    (tmp / "tools.py").write_text("def lookup(query):\n    return query\n")
+def _tool_file(tmp: Path, first_line: str = "") -> str:
+    (tmp / "tools.py").write_text(f"{first_line}\ndef lookup(query):\n    return query\n")
     return f"{tmp / 'tools.py'}:lookup"
 
 
@@ -170,6 +170,21 @@ CASES: dict[str, tuple[Case, list[str]]] = {
     "unknown_builtin_tool": (
         lambda tmp, model: _prompt_run(tmp, model, "agent.tools=[{function: image_zom}]", config=AGENT),
         ["agent.tools[0].function='image_zom'", "did you mean 'image_zoom'?"],
+    ),
+    "tool_file_that_exits_at_import": (
+        lambda tmp, model: _prompt_run(
+            tmp,
+            model,
+            f"agent.tools=[{{function: {_tool_file(tmp, 'import os; os._exit(3)')}, parameters: {{type: object}}}}]",
+            config=AGENT,
+        ),
+        ["agent.tools[0]", "tools.py failed: it calls os._exit(3) at import"],
+    ),
+    "reward_file_that_exits_at_import": (
+        lambda tmp, model: _prompt_run(
+            tmp, model, f"reward.functions=[{{name: '{_tool_file(tmp, 'import sys; sys.exit(4)')}'}}]"
+        ),
+        ["tools.py failed: it calls sys.exit(4) at import"],
     ),
     "tool_without_parameters": (
         lambda tmp, model: _prompt_run(

@@ -108,6 +108,7 @@ class SftConfig(OptimSection):
                 f"of {FLOW_HEADS}, such as {max(FLOW_HEADS, width // FLOW_HEADS * FLOW_HEADS)}"
             )
         return width
+
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip each step's gradient norm; None: no clipping"
     )
