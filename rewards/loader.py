@@ -10,7 +10,6 @@ import difflib
 import hashlib
 import importlib.util
 import inspect
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from mmrl.rewards.graders import GRADERS
+from mmrl.rewards.outcome import exits_raised
 from mmrl.rewards.types import RewardFn
 
 
@@ -68,30 +68,25 @@ def import_file(path: Path) -> ModuleType:
         raise ImportError(f"cannot import {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    real_exit, os._exit = os._exit, _refuse_exit  # a file that ends the process while it loads
     try:
-        module_spec.loader.exec_module(module)
+        with exits_raised(OS_EXIT):
+            module_spec.loader.exec_module(module)
     except SyntaxError as err:
         del sys.modules[module_name]
         raise ImportError(f"{err.filename or path}, line {err.lineno}: syntax error: {err.msg}") from err
-    except (SystemExit, _ExitAtImport) as err:  # the run would end without a word
+    except SystemExit as err:  # sys.exit() or os._exit() while it loads: the run would end without a word
         del sys.modules[module_name]
-        call = f"sys.exit({err.code!r})" if isinstance(err, SystemExit) else err.args[0]
-        raise ImportError(f"importing {path} failed: it calls {call} at import") from None
+        said = err.code if isinstance(err.code, str) and err.code.startswith("os._exit(") else None
+        raise ImportError(
+            f"importing {path} failed: it calls {said or f'sys.exit({err.code!r})'} at import"
+        ) from None
     except Exception as err:
         del sys.modules[module_name]
         raise ImportError(f"importing {path} failed: {type(err).__name__}: {err}") from err
-    finally:
-        os._exit = real_exit
     return module
 
 
-class _ExitAtImport(Exception):
-    """A user file called `os._exit` while it was imported, which would end the run with no output."""
-
-
-def _refuse_exit(code: int = 0) -> None:
-    raise _ExitAtImport(f"os._exit({code!r})")
+OS_EXIT = "os._exit({code})"  # how `import_file` words a file's os._exit call
 
 
 def _unknown_name_hint(spec: str) -> str:

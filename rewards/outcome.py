@@ -269,18 +269,21 @@ def raised_by_the_function(err: KeyboardInterrupt) -> bool:
     return elsewhere or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
 
 
+INLINE_EXIT = (
+    "os._exit({code}) called in the trainer's process (reward.isolation: inline); the run goes on. "
+    "Under reward.isolation: process such a call ends only a worker"
+)
+
+
 @contextmanager
-def exits_raised() -> Iterator[None]:
-    """While user functions run in the trainer's process, `os._exit` raises SystemExit instead of ending
-    the process on the spot with no word: the call then counts as that function's failure, printed the
-    first time with the function's name, as `exit()` does already."""
+def exits_raised(said: str = INLINE_EXIT) -> Iterator[None]:
+    """While user code runs in the trainer's process (a reward function, a file being imported),
+    `os._exit` raises SystemExit(`said`, with `{code}` filled in) instead of ending the process on the spot
+    with no word: the call then counts as that code's failure, printed with its name, as `exit()` does."""
     real = os._exit
 
     def refuse(code: int) -> NoReturn:
-        raise SystemExit(
-            f"os._exit({code}) called in the trainer's process (reward.isolation: inline); the run goes on. "
-            "Under reward.isolation: process such a call ends only a worker"
-        )
+        raise SystemExit(said.format(code=code))
 
     os._exit = refuse
     try:
