@@ -299,8 +299,8 @@ def test_a_setup_mistake_is_one_line_and_exit_2_before_any_work(
 
 
 def test_eval_of_a_policy_taught_another_action_size_is_one_line(tmp_path, capsys, tiny_model_dir) -> None:
-    """`mmrl eval` checks the policy's action size against the env's as training does (it used to pad or
-    cut the actions silently); the policy's weights load first, so its progress bar comes before the line."""
+    """`mmrl eval` checks the policy's action size against the env's as training does (it skipped the check
+    and failed deep in its first episode); the weights load first, so their progress bar precedes the line."""
     policy = _policy_of_dim(tmp_path, tiny_model_dir, 3)
     capsys.readouterr()
     argv = ["eval", VLA, f"model.path={policy}", "--checkpoint", str(policy), "--episodes", "1"]
