@@ -150,13 +150,30 @@ RECORDED_S: dict[str, float] = {
     "test_two_fsdp_workers_update_exactly_like_one_process": 35,
 }
 SHORT_S = 30.0  # a test without a record: over twice this, it fails too
-# A machine slower than the one the records were measured on scales them (2: twice as slow).
-RECORD_SCALE = float(os.environ.get("MMRL_TEST_RECORD_SCALE", "1"))
+SCALE_ENV = "MMRL_TEST_RECORD_SCALE"  # how many times slower than the records' machine this one runs
+
+
+def record_scale() -> float:
+    """The factor on every record and on the budget: `MMRL_TEST_RECORD_SCALE` if set, else what the
+    controller measured before the workers started (`pytest_configure`), which they inherit."""
+    return float(os.environ.get(SCALE_ENV, "1"))
 
 
 def recorded_s(nodeid: str) -> float:
-    """The recorded seconds of the test `nodeid` (`RECORDED_S`), or `SHORT_S` for a short test."""
-    return RECORD_SCALE * next((s for key, s in RECORDED_S.items() if key in nodeid), SHORT_S)
+    """The recorded seconds of the test `nodeid` (`RECORDED_S`), or `SHORT_S` for a short test, scaled to
+    this machine's speed."""
+    return record_scale() * next((s for key, s in RECORDED_S.items() if key in nodeid), SHORT_S)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller times `machine_speed.probe_s` once, before any worker starts (an xdist worker
+    inherits the result through its environment), unless the scale is given or the checks are off."""
+    if hasattr(config, "workerinput") or SCALE_ENV in os.environ or not BUDGET_MIN:
+        return
+    from machine_speed import slowness
+
+    os.environ[SCALE_ENV] = f"{slowness():.2f}"
+    _scale_measured.append(True)
 
 
 def _start_order(item: pytest.Item) -> tuple[bool, float]:
@@ -185,11 +202,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # `MMRL_TEST_BUDGET_MIN=0` turns this check and the per-test one off (a slow laptop, a debugger).
 # 30 minutes: half as much again as the 20 the suite aims at. The README's test command took 20 min 51 s
 # on the 2-core AMD EPYC VM on 2026-12-06, and CI's last two runs 22 and 24 minutes with the install
-# (docs/benchmarks.md, "The suite on two cores"); a machine much slower than these should run with
-# `MMRL_TEST_RECORD_SCALE` and a larger `MMRL_TEST_BUDGET_MIN`.
+# (docs/benchmarks.md, "The suite on two cores"). On a slower machine the budget is scaled by its speed,
+# as the records are (`tests/machine_speed.py`).
 BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "30"))
 _started: list[float] = []
 _over_budget: list[str] = []
+_scale_measured: list[bool] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -201,7 +219,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
         report.outcome = "failed"
         report.longrepr = (
             f"{item.nodeid} took {report.duration:.3g} s ({report.when}), over twice its recorded "
-            f"{limit / 2:.3g} s (tests/conftest.py RECORDED_S, MMRL_TEST_RECORD_SCALE): make it shorter, or "
+            f"{limit / 2:.3g} s (tests/conftest.py RECORDED_S x {SCALE_ENV} {record_scale():g}): make it shorter, or "
             "measure it again on a 2-core machine and update its record"
         )
 
@@ -214,23 +232,29 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):
         return  # an xdist worker: only the controller sees the whole run
     elapsed = time.monotonic() - _started[0]
+    budget = BUDGET_MIN * record_scale()
     if (
         BUDGET_MIN
-        and elapsed > BUDGET_MIN * 60
+        and elapsed > budget * 60
         and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
     ):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         reports = [r for key in ("passed", "failed") for r in reporter.stats.get(key, []) if r.when == "call"]
         slowest = sorted(reports, key=lambda r: r.duration, reverse=True)[:10]
         _over_budget.append(
-            f"the suite took {elapsed / 60:.1f} min, over its budget of {BUDGET_MIN:g} min "
-            "(MMRL_TEST_BUDGET_MIN). Make the slowest tests shorter before adding more:\n"
-            + "\n".join(f"  {r.duration:7.1f} s  {r.nodeid}" for r in slowest)
+            f"the suite took {elapsed / 60:.1f} min, over its budget of {budget:g} min "
+            f"(MMRL_TEST_BUDGET_MIN {BUDGET_MIN:g} x {SCALE_ENV} {record_scale():g}). Make the slowest tests "
+            "shorter before adding more:\n" + "\n".join(f"  {r.duration:7.1f} s  {r.nodeid}" for r in slowest)
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _scale_measured:
+        terminalreporter.write_line(
+            f"time limits: the records and the budget x{record_scale():g}, this machine's speed against the "
+            "records' (tests/machine_speed.py)"
+        )
     for message in _over_budget:
         terminalreporter.section("time budget", sep="=", red=True, bold=True)
         terminalreporter.line(message, red=True)

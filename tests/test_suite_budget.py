@@ -61,3 +61,31 @@ def test_a_test_over_twice_its_recorded_time_fails_under_its_name(over_both) -> 
     failed = [line for line in over_both.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     assert failed and all("test_schedule.py::" in line for line in failed), over_both.stdout[-2000:]
     assert "over twice its recorded" in over_both.stdout
+
+
+@pytest.mark.parametrize("probe, scale", [(0.5, 1.0), (1.0, 1.0), (1.9, 1.9), (100.0, 4.0)])
+def test_the_limits_scale_with_this_machines_speed_within_1_and_4(monkeypatch, probe, scale) -> None:
+    import machine_speed
+
+    monkeypatch.setattr(machine_speed, "probe_s", lambda: probe * machine_speed.PROBE_REFERENCE_S)
+    assert machine_speed.slowness() == pytest.approx(scale)
+
+
+def test_the_controller_measures_the_scale_once_for_its_workers(monkeypatch) -> None:
+    """Set in the controller's environment before xdist starts the workers, which inherit it; a worker,
+    or a scale given by hand, measures nothing."""
+    import conftest
+    import machine_speed
+
+    monkeypatch.setattr(machine_speed, "probe_s", lambda: 3 * machine_speed.PROBE_REFERENCE_S)
+    monkeypatch.setattr(conftest, "_scale_measured", [])
+    worker = type("Config", (), {"workerinput": {}})()
+    controller = type("Config", (), {})()
+    monkeypatch.delenv(conftest.SCALE_ENV, raising=False)
+    conftest.pytest_configure(worker)
+    assert conftest.SCALE_ENV not in os.environ
+    conftest.pytest_configure(controller)
+    assert os.environ[conftest.SCALE_ENV] == "3.00" and conftest.recorded_s("x::short") == 90
+    monkeypatch.setenv(conftest.SCALE_ENV, "1.5")
+    conftest.pytest_configure(controller)
+    assert conftest.record_scale() == 1.5
