@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-# The probe's seconds at the records' speed: 0.118 s (the median of five) on the 2-core AMD EPYC VM late
-# on 2026-12-07, idle, when it ran the import above in 12.6-13.5 s and the zoom learning test alone in
-# 627 s, about 1.75 times 2026-12-06's time (its record, 360 s, was measured in the suite beside
-# another test); 0.118 / 1.75.
-PROBE_REFERENCE_S = 0.0674
+# The probe's seconds at the records' speed. Measured on the 2-core AMD EPYC VM at 00:20 UTC on 2026-12-08,
+# idle: 0.109-0.114 s (median 0.111), when the import above took 12.8-12.9 s against 6.2-6.7 s on
+# 2026-12-06 (1.99x) and the zoom learning test alone took 627 s against its in-suite record of 360 s
+# (1.74x); so 0.111 / 1.9.
+PROBE_REFERENCE_S = 0.0584
 
 
 def probe_s(repeats: int = 5) -> float:
