@@ -31,6 +31,8 @@ def _load(args: argparse.Namespace) -> Config:
 def _train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     check_startup(cfg, "train")
+    for applied in cfg.paper_defaults:
+        print(f"paper default (the config leaves it unset): {applied}", file=sys.stderr)
     from mmrl.trainer import Trainer
 
     Trainer(cfg, resume=args.resume).fit()
@@ -92,7 +94,10 @@ def _config_show(args: argparse.Namespace) -> int:
         return 0
     if args.config is None:
         raise ConfigError("mmrl config show needs a CONFIG (a file or a recipe's name), or --doc KEY")
-    print(dump_config(_load(args)), end="")
+    cfg = _load(args)
+    print(dump_config(cfg), end="")
+    for applied in cfg.paper_defaults:
+        print(f"# paper default, as the config leaves it unset: {applied}")
     return 0
 
 

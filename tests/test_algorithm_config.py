@@ -92,6 +92,31 @@ def test_cited_algorithms_are_selected_by_the_config(name: str) -> None:
         get_policy_filter(cfg.algorithm.policy_filtration)
 
 
+@pytest.mark.parametrize(
+    "loss, paper",
+    [
+        ("sapo", {"loss_agg_mode": "seq-mean-token-mean"}),
+        ("gmpo", {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}),
+    ],
+)
+def test_choosing_a_method_applies_its_papers_values_where_the_config_sets_none(loss, paper, capsys) -> None:
+    """SAPO averages per sequence and GMPO clips at 0.4 in log space in their papers: chosen alone, they
+    train so, and `mmrl config show` says what was filled in; a key the user set keeps the user's value."""
+    cfg = load_config(QUICKSTART, [f"actor.policy_loss={loss}"])
+    assert {key: getattr(cfg.actor, key) for key in paper} == paper
+    assert cfg.paper_defaults == [f"actor.{key}={value} ({loss})" for key, value in paper.items()]
+    key = next(iter(paper))
+    mine = "token-mean" if key == "loss_agg_mode" else 0.3
+    kept = load_config(QUICKSTART, [f"actor.policy_loss={loss}", f"actor.{key}={mine}"])
+    assert getattr(kept.actor, key) == mine and all(key not in line for line in kept.paper_defaults)
+    assert load_config(QUICKSTART).paper_defaults == []  # GRPO's recipe: nothing filled in
+    from mmrl.cli import main
+
+    assert main(["config", "show", str(QUICKSTART), f"actor.policy_loss={loss}"]) == 0
+    shown = capsys.readouterr().out
+    assert f"# paper default, as the config leaves it unset: actor.{key}={paper[key]} ({loss})" in shown
+
+
 def test_loss_settings_reach_every_policy_loss() -> None:
     options = load_config(QUICKSTART, ["actor.tau_neg=2", "actor.clip_cov_ub=7"]).actor.policy_loss_options()
     assert options["tau_neg"] == 2.0 and options["clip_cov_ub"] == 7.0 and options["clip_ratio_high"] == 0.28

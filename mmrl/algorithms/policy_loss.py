@@ -198,7 +198,7 @@ def cispo(
     return aggregated(token_loss, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs, weight != ratio)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", needs=Needs(defaults=(("actor.loss_agg_mode", "seq-mean-token-mean"),)))
 def sapo(
     logp: Tensor,
     old_logp: Tensor,
@@ -227,7 +227,9 @@ def sapo(
     return aggregated(-gate * advantages, logp, old_logp, response_mask, loss_agg_mode, agg_kwargs)
 
 
-@register_policy_loss("gmpo", "geo_mean")
+@register_policy_loss(
+    "gmpo", "geo_mean", needs=Needs(defaults=(("actor.clip_ratio_low", 0.4), ("actor.clip_ratio_high", 0.4)))
+)
 def gmpo(
     logp: Tensor,
     old_logp: Tensor,

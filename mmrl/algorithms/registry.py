@@ -33,6 +33,9 @@ class Needs:
     - ``pairs_with``: the other half of a pair that only means something together: for an estimator,
       the policy loss it must train with; for a loss, the estimator whose target it takes (SPPO's
       win-rate target and its regression; GPG's corrected advantages and its plain gradient).
+    - ``defaults``: the paper's values of config keys (`("actor.loss_agg_mode", "seq-mean-token-mean")`),
+      applied where the config leaves the key unset (`mmrl.config.loading.paper_defaults`): choosing
+      the method then trains it as its paper did, and `mmrl config show` lists what was applied.
     """
 
     groups: bool = False
@@ -41,6 +44,7 @@ class Needs:
     critic: bool = False
     prm: bool = False
     pairs_with: str | None = None
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 def needs_of(fn: Callable[..., Any]) -> Needs:

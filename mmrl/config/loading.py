@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mmrl.config.run import Config
+from mmrl.config.training import ActorConfig, AlgorithmConfig
 from mmrl.errors import ConfigError
 
 
@@ -181,10 +182,50 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+    applied = paper_defaults(tree)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
+    cfg.paper_defaults.extend(applied)
+    return cfg
+
+
+def paper_defaults(tree: dict[str, Any]) -> list[str]:
+    """Set in `tree` the paper's value of every key that the chosen policy loss and advantage estimator
+    name (`Needs.defaults`) and that the config leaves unset; `key=value (method)` for each one set. A
+    method given as a file (`path.py:function`) is not imported here and sets nothing."""
+    from mmrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, needs_of
+
+    chosen = {
+        "actor.policy_loss": (POLICY_LOSSES, ActorConfig.model_fields["policy_loss"].default),
+        "algorithm.adv_estimator": (
+            ADVANTAGE_ESTIMATORS,
+            AlgorithmConfig.model_fields["adv_estimator"].default,
+        ),
+    }
+    applied = []
+    for key, (registry, default) in chosen.items():
+        name = _get_dotted(tree, key, default)
+        method = registry.get(name) if isinstance(name, str) else None
+        for dotted, value in needs_of(method).defaults if method is not None else ():
+            if _get_dotted(tree, dotted, _UNSET) is _UNSET:
+                _set_dotted(tree, dotted, value)
+                applied.append(f"{dotted}={value} ({name})")
+    return applied
+
+
+_UNSET = object()
+
+
+def _get_dotted(tree: dict[str, Any], dotted: str, missing: Any) -> Any:
+    """The value at `dotted` in the config tree, or `missing` where the tree does not set it."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return missing
+        node = node[part]
+    return node
 
 
 def dump_config(cfg: Config) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import model_validator
+from pydantic import PrivateAttr, model_validator
 
 from mmrl.config import checks
 from mmrl.config.agent import AgentConfig
@@ -32,6 +32,13 @@ class Config(Section):
     env: EnvConfig | None = None
     sft: SftConfig | None = None
     agent: AgentConfig | None = None
+    # What `load_config` filled in from the chosen methods' papers (`loading.paper_defaults`).
+    _paper_defaults: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def paper_defaults(self) -> list[str]:
+        """`key=value (method)` for each key the chosen methods' paper values filled in."""
+        return self._paper_defaults
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
