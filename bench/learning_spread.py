@@ -42,11 +42,9 @@ from learning_runs import RUNS
 OFF_POLICY = ("actor.mini_batch_size=8",)
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cispo": ("grpo", ("actor.policy_loss=cispo", *OFF_POLICY)),
-    "sapo": ("grpo", ("actor.policy_loss=sapo", "actor.loss_agg_mode=seq-mean-token-mean", *OFF_POLICY)),
-    "gmpo": (
-        "grpo",
-        ("actor.policy_loss=gmpo", "actor.clip_ratio_low=0.4", "actor.clip_ratio_high=0.4", *OFF_POLICY),
-    ),
+    # SAPO's per-sequence mean and GMPO's 0.4 clip come with them (their entries' paper defaults)
+    "sapo": ("grpo", ("actor.policy_loss=sapo", *OFF_POLICY)),
+    "gmpo": ("grpo", ("actor.policy_loss=gmpo", *OFF_POLICY)),
     "gpg": ("grpo", ("algorithm.adv_estimator=gpg", "actor.policy_loss=gpg")),
     "opo": ("grpo", ("algorithm.adv_estimator=opo",)),
     "kl_cov": ("grpo", ("actor.policy_loss=kl_cov", "actor.kl_cov_ratio=0.002", *OFF_POLICY)),
