@@ -193,11 +193,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # The whole suite must stay inside CI's budget (the README's test command on a 2-core machine): a run
 # that takes longer fails, naming the slowest tests, so the suite cannot creep past the limit unnoticed.
 # `MMRL_TEST_BUDGET_MIN=0` turns this check and the per-test one off (a slow laptop, a debugger).
-# 30 minutes: half as much again as the 20 the suite aims at. The README's test command took 20 min 51 s
+# 36 minutes at the records' speed: half as much again as the 20 the suite aims at, and a fifth more for
+# the speed probe's spread (0.091-0.114 s on one idle VM), which scales it. The README's test command took 20 min 51 s
 # on the 2-core AMD EPYC VM on 2026-12-06, and CI's last two runs 22 and 24 minutes with the install
 # (docs/benchmarks.md, "The suite on two cores"). On a slower machine the budget is scaled by its speed,
 # as the records are (`tests/machine_speed.py`).
-BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "30"))
+BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "36"))
 _started: list[float] = []
 _over_budget: list[str] = []
 _scale_measured: list[bool] = []
