@@ -118,7 +118,8 @@ def tiny_family_dir(tmp_path_factory: pytest.TempPathFactory):
 # - They start longest first: under `pytest -n` a long test that starts last runs alone on one core
 #   while the other idles.
 # - A test that takes more than `LIMIT_FACTOR` times its record fails, naming itself
-#   (`pytest_runtest_makereport`), so no test grows unnoticed until the suite is over budget. A test with no entry is held to `SHORT_S`.
+#   (`pytest_runtest_makereport`), so no test grows unnoticed until the suite is over budget. A test
+#   with no entry is held to `SHORT_S`.
 # A key is matched as a substring of the test's node id; the first match counts (longer names first).
 RECORDED_S: dict[str, float] = {
     "test_zoom_learning.py": 360,  # stops at step 15 under AVX2; all 30 steps about 560 s
@@ -194,8 +195,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # that takes longer fails, naming the slowest tests, so the suite cannot creep past the limit unnoticed.
 # `MMRL_TEST_BUDGET_MIN=0` turns this check and the per-test one off (a slow laptop, a debugger).
 # 36 minutes at the records' speed: half as much again as the 20 the suite aims at, and a fifth more for
-# the speed probe's spread (0.091-0.114 s on one idle VM), which scales it. The README's test command took 20 min 51 s
-# on the 2-core AMD EPYC VM on 2026-12-06, and CI's last two runs 22 and 24 minutes with the install
+# the speed probe's spread (0.091-0.114 s on one idle VM), which scales it. The README's test command took
+# 20 min 51 s on the 2-core AMD EPYC VM on 2026-12-06, and CI's last two runs 22 and 24 minutes with the install
 # (docs/benchmarks.md, "The suite on two cores"). On a slower machine the budget is scaled by its speed,
 # as the records are (`tests/machine_speed.py`).
 BUDGET_MIN = float(os.environ.get("MMRL_TEST_BUDGET_MIN", "36"))

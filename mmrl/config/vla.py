@@ -99,6 +99,10 @@ class SftConfig(OptimSection):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate")
     batch_size: int = Field(64, gt=0, description="Demo frames per step")
 
+    max_grad_norm: float | None = Field(
+        None, gt=0, description="Clip each step's gradient norm; None: no clipping"
+    )
+
     @field_validator("flow_width")
     @classmethod
     def _heads_divide_width(cls, width: int) -> int:
@@ -108,7 +112,3 @@ class SftConfig(OptimSection):
                 f"of {FLOW_HEADS}, such as {max(FLOW_HEADS, width // FLOW_HEADS * FLOW_HEADS)}"
             )
         return width
-
-    max_grad_norm: float | None = Field(
-        None, gt=0, description="Clip each step's gradient norm; None: no clipping"
-    )

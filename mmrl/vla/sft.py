@@ -65,7 +65,7 @@ def policy_actions(folder: str | Path) -> Actions | None:
 
 def acting_on(actions: Actions, folder: str | Path, task: str, action_dim: int) -> Actions:
     """`actions`, the way the policy in `folder` acts, if they move as many dimensions as env `task` takes;
-    a policy cloned on another task would have its actions cut or padded, so it is refused in one line."""
+    a policy cloned on a task of another action size cannot act in this one, so it is refused in one line."""
     if actions.action_dim != action_dim:
         raise ConfigError(
             f"{folder} was taught {actions.action_dim}-D actions, but env {task} takes {action_dim}-D: train "
